@@ -1,0 +1,38 @@
+# The few verbs a contributor needs. Every target creates .venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint bench install install-dev system-deps
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch first: a looser requirement alone makes pip take a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+
+install: $(BIN)/python
+	$(BIN)/pip install -q -e '.[all]'
+
+install-dev: $(BIN)/python
+	$(BIN)/pip install -q -e '.[dev]'
+
+# Real Prometheus/promtool, PostgreSQL and headless Chromium for the tests (Debian).
+system-deps:
+	./.ci/system-deps
+
+demo: install
+	$(BIN)/zerowatch demo
+
+test: install-dev system-deps
+	$(BIN)/python -m pytest -q
+
+lint: install-dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy zerowatch agent server dashboards alerts
+
+bench: install-dev
+	$(BIN)/python bench/engine.py
+	$(BIN)/python bench/agent_overhead.py
+	$(BIN)/python bench/ingest.py

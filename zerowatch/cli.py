@@ -1,0 +1,229 @@
+"""`zerowatch serve | demo | plan | alerts render | trace | upload | runs`.
+
+The command line is thin: each subcommand parses its options (typer) and calls one function
+of the module that owns the work, imported inside the subcommand so that `zerowatch --help`
+stays fast and the server never pulls in torch.
+
+Exit codes: 0 success, 1 the work failed (server unreachable, a run failed), 2 bad usage or
+bad input (typer's own usage errors, a config mistake). Errors are printed as one line on
+stderr, without a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+
+app = typer.Typer(
+    name="zerowatch",
+    help="See what ZeRO-sharded training does: engine, agent, server, dashboards, alerts.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+alerts_app = typer.Typer(help="Prometheus alert rules for sharded training.", no_args_is_help=True)
+app.add_typer(alerts_app, name="alerts")
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
+    """Print `error: message` on stderr and exit with `code` (no traceback)."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+DEFAULT_SERVER = "http://127.0.0.1:8321"
+ServerOpt = Annotated[
+    str | None,
+    typer.Option("--server", help="zerowatch server URL [env: ZEROWATCH_SERVER]", envvar="ZEROWATCH_SERVER"),
+]
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.")] = 8321,
+    db: Annotated[
+        str | None,
+        typer.Option(help="SQLAlchemy URL [env: ZEROWATCH_DB_URL; default: sqlite file ./zerowatch.db]", envvar="ZEROWATCH_DB_URL"),
+    ] = None,
+    token: Annotated[
+        str | None, typer.Option(help="Token required for ingest and delete [env: ZEROWATCH_TOKEN]", envvar="ZEROWATCH_TOKEN")
+    ] = None,
+) -> None:
+    """Run the zerowatch server (API, dashboards, /metrics)."""
+    from zerowatch.server.app import serve as _serve
+
+    _serve(host=host, port=port, db_url=db, token=token)
+
+
+@app.command()
+def upload(
+    spool_dir: Annotated[Path, typer.Argument(help="Spool folder written by an agent with no server.")],
+    server: ServerOpt = None,
+    token: Annotated[str | None, typer.Option(envvar="ZEROWATCH_TOKEN", help="Ingest token [env: ZEROWATCH_TOKEN]")] = None,
+) -> None:
+    """Send a local spool of events to a server (each step stored exactly once)."""
+    from zerowatch.agent.upload import upload_spool
+
+    if not spool_dir.is_dir():
+        fail(f"spool folder not found: {spool_dir}", EXIT_USAGE)
+    result = upload_spool(spool_dir, server=server or DEFAULT_SERVER, token=token)
+    typer.echo(result.summary())
+    if not result.ok:
+        raise typer.Exit(EXIT_FAILED)
+
+
+@app.command()
+def demo(
+    stages: Annotated[str, typer.Option(help="ZeRO stages to run, comma-separated.")] = "1,2,3",
+    world_size: Annotated[int, typer.Option(help="Ranks per run (torchrun, gloo on CPU).")] = 2,
+    steps: Annotated[int, typer.Option(help="Optimizer steps per run.")] = 30,
+    port: Annotated[int, typer.Option(help="Server port (0: a free one).")] = 8321,
+    db: Annotated[str | None, typer.Option(help="SQLAlchemy URL (default: sqlite file ./zerowatch-demo.db).")] = None,
+    server: Annotated[str | None, typer.Option(help="Use this running server instead of starting one.")] = None,
+    no_serve: Annotated[bool, typer.Option("--no-serve", help="Stop the server when the runs end.")] = False,
+) -> None:
+    """The main job: a server, instrumented multi-rank CPU runs per stage, a summary."""
+    from zerowatch.demo import run_demo
+
+    try:
+        stage_list = [int(s) for s in stages.split(",") if s.strip()]
+    except ValueError:
+        fail(f"--stages: expected comma-separated integers, got {stages!r}", EXIT_USAGE)
+    if not stage_list or any(s not in (0, 1, 2, 3) for s in stage_list):
+        fail(f"--stages: each stage must be 0, 1, 2 or 3, got {stages!r}", EXIT_USAGE)
+    if world_size < 1:
+        fail(f"--world-size: expected >= 1, got {world_size}", EXIT_USAGE)
+    code = run_demo(
+        stages=stage_list, world_size=world_size, steps=steps, port=port, db_url=db,
+        server=server, serve=not no_serve,
+    )  # fmt: skip
+    raise typer.Exit(code)
+
+
+@app.command()
+def plan(
+    params: Annotated[str, typer.Option(help="Model parameters, e.g. 70e9 or 7B.")],
+    gpus: Annotated[int, typer.Option(help="GPUs (data-parallel ranks) in all.")] = 8,
+    gpu_memory: Annotated[str, typer.Option(help="Memory per GPU, e.g. 80GiB.")] = "80GiB",
+    nodes: Annotated[int, typer.Option(help="Machines the GPUs are spread over.")] = 1,
+    offload: Annotated[str, typer.Option(help="Offload: none or cpu (or 'both' to compare).")] = "both",
+    precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16.")] = "bf16",
+    bandwidth: Annotated[str | None, typer.Option(help="Interconnect bus bandwidth per GPU, e.g. 100GB/s.")] = None,
+    config: Annotated[Path | None, typer.Option(help="A DeepSpeed JSON config to evaluate.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Capacity planner: per-rank memory and communication for each ZeRO stage."""
+    from zerowatch.config import ConfigError
+    from zerowatch.plan import PlanError, plan_from_cli
+
+    try:
+        text = plan_from_cli(
+            params=params, gpus=gpus, gpu_memory=gpu_memory, nodes=nodes, offload=offload,
+            precision=precision, bandwidth=bandwidth, config=config, as_json=as_json,
+        )  # fmt: skip
+    except (PlanError, ConfigError) as e:
+        fail(str(e), EXIT_USAGE)
+    typer.echo(text)
+
+
+@alerts_app.command("render")
+def alerts_render(
+    out: Annotated[Path | None, typer.Option(help="Write the rule file here (default: stdout).")] = None,
+    settings: Annotated[Path | None, typer.Option(help="YAML/JSON file of alert settings.")] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override one setting, e.g. --set step_time_regression_ratio=1.2")
+    ] = None,
+) -> None:
+    """Render the Prometheus recording and alerting rules."""
+    from zerowatch.alerts import AlertSettings, SettingsError, render_rules
+
+    try:
+        cfg = AlertSettings.load(settings, overrides=set_ or [])
+    except SettingsError as e:
+        fail(str(e), EXIT_USAGE)
+    text = render_rules(cfg)
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        out.write_text(text)
+        typer.echo(f"wrote {out}", err=True)
+
+
+def _get(server: str, path: str, **params: str) -> object:
+    import httpx
+
+    try:
+        resp = httpx.get(server.rstrip("/") + path, params=params or None, timeout=30)
+    except httpx.HTTPError as e:
+        fail(f"cannot reach {server}: {e}")
+    if resp.status_code >= 400:
+        try:
+            detail = resp.json().get("detail", resp.text)
+        except ValueError:
+            detail = resp.text
+        fail(f"{resp.status_code} from {server}{path}: {detail}")
+    return resp.json()
+
+
+@app.command()
+def trace(
+    run: Annotated[str, typer.Argument(help="Run id.")],
+    steps: Annotated[str | None, typer.Option(help="Step range A:B (B exclusive).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Write here (default: stdout).")] = None,
+    server: ServerOpt = None,
+) -> None:
+    """Export a run as Chrome-trace / Perfetto JSON (open in ui.perfetto.dev)."""
+    import json
+
+    params = {"steps": steps} if steps else {}
+    data = _get(server or DEFAULT_SERVER, f"/api/v1/runs/{run}/trace", **params)
+    text = json.dumps(data)
+    if out is None:
+        typer.echo(text)
+    else:
+        out.write_text(text)
+        typer.echo(f"wrote {out}", err=True)
+
+
+@app.command()
+def runs(
+    server: ServerOpt = None,
+    project: Annotated[str | None, typer.Option(help="Only this project.")] = None,
+    status: Annotated[str | None, typer.Option(help="running, finished, failed or stalled.")] = None,
+) -> None:
+    """List the runs a server holds."""
+    from rich.console import Console
+    from rich.table import Table
+
+    params = {k: v for k, v in (("project", project), ("status", status)) if v}
+    data = _get(server or DEFAULT_SERVER, "/api/v1/runs", **params)
+    items = data.get("runs", data) if isinstance(data, dict) else data
+    table = Table("id", "name", "project", "status", "stage", "world", "steps", "step time (s)")
+    for r in items:  # type: ignore[union-attr]
+        steps_stored = max((x.get("steps", 0) for x in r.get("ranks", [])), default=0)
+        st = r.get("step_time_s")
+        table.add_row(
+            str(r["run_id"]), str(r.get("name", "")), str(r.get("project", "")), str(r.get("status", "")),
+            str(r.get("zero_stage", "")), str(r.get("world_size", "")), str(steps_stored),
+            f"{st:.3f}" if isinstance(st, (int, float)) else "-",
+        )  # fmt: skip
+    Console().print(table)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

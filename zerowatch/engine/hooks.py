@@ -1,0 +1,106 @@
+"""The engine's observer interface: how anyone (the agent) learns what the engine does.
+
+The engine knows nothing of the agent. It reports two things, each from exactly one place:
+
+* every collective, from `engine/comm.py`, as a `CollectiveRecord` given to each registered
+  `CommObserver`;
+* every phase boundary (forward, backward, grad_reduce, param_gather, optimizer_step,
+  offload_d2h, offload_h2d, and `step` for the whole optimizer step), from
+  `engine/phases.py`, given to each registered `PhaseObserver`; offload copies also report
+  their bytes through `on_offload`.
+
+Observers are called synchronously on the training thread (or, for async collectives, on
+the thread that completes the work), so they must be cheap and must not raise; the
+registry swallows and counts what they raise, so an observer bug never breaks training.
+
+Timestamps are `time.perf_counter()` seconds. On CUDA, a record's `start`/`end` may be
+filled in late: the record carries the CUDA events (`cuda_events`) and the observer reads
+`elapsed_time` a step later instead of synchronizing per op.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+log = logging.getLogger("zerowatch.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveRecord:
+    """One collective call, as the comm module saw it.
+
+    Attributes:
+        op: "all_gather", "reduce_scatter", "all_reduce" or "broadcast".
+        purpose: "param_fetch", "grad_reduce", "optimizer_gather" or "other".
+        nbytes: nccl-tests "size": the full tensor (all-gather output, reduce-scatter input,
+            all-reduce buffer), in bytes.
+        world_size: size of the process group it ran on.
+        start: perf_counter when it was issued.
+        end: perf_counter when it completed (for async work: when its future completed).
+        async_op: issued asynchronously, to overlap with compute.
+        exposed_s: time the training thread was blocked on it (the whole latency for a
+            synchronous call, the time spent in `wait()` for an async one).
+        cuda_events: (start, end) torch.cuda.Event pair on CUDA, else None.
+    """
+
+    op: str
+    purpose: str
+    nbytes: int
+    world_size: int
+    start: float
+    end: float
+    async_op: bool
+    exposed_s: float
+    cuda_events: Any = None
+
+
+@runtime_checkable
+class CommObserver(Protocol):
+    def on_collective(self, record: CollectiveRecord) -> None: ...
+
+
+@runtime_checkable
+class PhaseObserver(Protocol):
+    def on_phase_start(self, phase: str, t: float) -> None: ...
+
+    def on_phase_end(self, phase: str, t: float) -> None: ...
+
+    def on_offload(self, direction: str, nbytes: int, start: float, end: float) -> None: ...
+
+
+class ObserverRegistry:
+    """Thread-safe list of observers; calling them never raises into the engine."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._observers: tuple[Any, ...] = ()
+        self.errors = 0
+
+    def add(self, observer: Any) -> None:
+        with self._lock:
+            self._observers = (*self._observers, observer)
+
+    def remove(self, observer: Any) -> None:
+        with self._lock:
+            self._observers = tuple(o for o in self._observers if o is not observer)
+
+    def __bool__(self) -> bool:
+        return bool(self._observers)
+
+    def call(self, method: str, *args: Any) -> None:
+        for obs in self._observers:  # a snapshot: add/remove replace the tuple
+            fn = getattr(obs, method, None)
+            if fn is None:
+                continue
+            try:
+                fn(*args)
+            except Exception:  # an observer must never break training
+                self.errors += 1
+                if self.errors == 1:
+                    log.exception("zerowatch observer %r failed in %s", obs, method)
+
+
+__all__ = ["CollectiveRecord", "CommObserver", "ObserverRegistry", "PhaseObserver"]

@@ -1,0 +1,331 @@
+"""The wire schema shared by the agent (producer) and the server (consumer).
+
+Standard library only: the agent imports it next to torch, the server without torch. The
+server validates request bodies against these same dataclasses (pydantic understands
+standard-library dataclasses, and `__pydantic_config__` forbids NaN/inf where it matters).
+
+One training job is one *run*. Every rank has its own agent, and every rank sends one
+`StepEvent` per optimizer step (per `engine.step()` call that crossed a gradient-accumulation
+boundary). Events are identified by `(run_id, rank, seq)`; `seq` counts events of one rank
+from 0 without gaps, so a replay from the on-disk spool never double-counts: the server
+drops any `(run_id, rank, seq)` it already holds.
+
+A batch on the wire is a JSON object `{"schema_version": 1, "run_id": ..., "events": [...]}`,
+sent gzip-compressed (`Content-Encoding: gzip`) to `POST /api/v1/runs/{run_id}/events`.
+
+Units: seconds for times, bytes for sizes, bytes/s for bandwidths; unix epoch seconds for
+timestamps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+SCHEMA_VERSION: Final = 1
+
+# -- vocabulary -------------------------------------------------------------------------
+
+#: Phases of one training step, announced by the engine (or an adapter). The whole step is
+#: `step`; the others may nest or overlap (grad_reduce runs inside backward under
+#: overlap_comm), so they do not have to add up to the step.
+PHASES: Final = (
+    "forward",
+    "backward",
+    "grad_reduce",
+    "param_gather",
+    "optimizer_step",
+    "offload_d2h",
+    "offload_h2d",
+)
+Phase = Literal[
+    "forward",
+    "backward",
+    "grad_reduce",
+    "param_gather",
+    "optimizer_step",
+    "offload_d2h",
+    "offload_h2d",
+]
+
+#: How zerowatch phases map onto DeepSpeed's `wall_clock_breakdown` timer names.
+DEEPSPEED_TIMER_NAMES: Final = {
+    "fwd": "forward",
+    "bwd": "backward",
+    "bwd_allreduce": "grad_reduce",
+    "step": "optimizer_step",
+}
+
+COLLECTIVE_OPS: Final = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+CollectiveOp = Literal["all_gather", "reduce_scatter", "all_reduce", "broadcast"]
+
+#: Why a collective ran: parameter fetch (stage 3 gathers in forward/backward), gradient
+#: reduction, the all-gather of updated parameter shards after the optimizer (stages 1-2),
+#: or anything else (checkpointing, grad-norm, loss-scale agreement).
+PURPOSES: Final = ("param_fetch", "grad_reduce", "optimizer_gather", "other")
+Purpose = Literal["param_fetch", "grad_reduce", "optimizer_gather", "other"]
+
+#: Upper bounds (seconds) of the fixed latency histogram buckets: sub-millisecond to
+#: multi-second collectives. The last bucket (+Inf) is implicit: `buckets` in
+#: `CollectiveStats` has len(LATENCY_BUCKETS) + 1 entries, non-cumulative counts.
+LATENCY_BUCKETS: Final = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+
+#: Model-state kinds, as in the ZeRO paper; theory.py and the engine use the same keys.
+STATE_KINDS: Final = ("params", "grads", "optimizer_states", "master_weights")
+
+RunStatus = Literal["running", "finished", "failed", "stalled"]
+Precision = Literal["fp32", "bf16", "fp16"]
+OffloadDevice = Literal["none", "cpu"]
+
+
+def bus_bandwidth_factor(op: str, world_size: int) -> float:
+    """nccl-tests' bus-bandwidth factor: busbw = algbw * factor.
+
+    (n-1)/n for all-gather and reduce-scatter, 2(n-1)/n for all-reduce, 1 for broadcast.
+    """
+    n = max(int(world_size), 1)
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    return 1.0
+
+
+def bucket_index(seconds: float) -> int:
+    """Index of the histogram bucket (in LATENCY_BUCKETS, +Inf last) holding `seconds`."""
+    for i, upper in enumerate(LATENCY_BUCKETS):
+        if seconds <= upper:
+            return i
+    return len(LATENCY_BUCKETS)
+
+
+# -- metric names (shared with alerts/ and the server's /metrics) ----------------------
+
+METRIC_PREFIX: Final = "zerowatch"
+METRICS: Final = {
+    "step_time": "zerowatch_step_time_seconds",
+    "phase": "zerowatch_phase_seconds",
+    "optimizer_step": "zerowatch_optimizer_step_seconds",
+    "collective_latency": "zerowatch_collective_latency_seconds",
+    "collective_busbw": "zerowatch_collective_bus_bandwidth_bytes_per_second",
+    "collective_bytes": "zerowatch_collective_bytes",
+    "exposed_comm": "zerowatch_exposed_communication_seconds",
+    "offload_bw": "zerowatch_offload_bandwidth_bytes_per_second",
+    "memory_peak": "zerowatch_memory_peak_bytes",
+    "memory_capacity": "zerowatch_memory_capacity_bytes",
+    "model_state": "zerowatch_model_state_bytes",
+    "model_state_theory": "zerowatch_model_state_theory_bytes",
+    "grad_norm": "zerowatch_grad_norm",
+    "loss": "zerowatch_loss",
+    "loss_scale": "zerowatch_loss_scale",
+    "skipped_steps": "zerowatch_skipped_steps_total",
+    "nonfinite": "zerowatch_nonfinite_steps_total",
+    "samples_per_second": "zerowatch_samples_per_second",
+    "tokens_per_second": "zerowatch_tokens_per_second",
+    "last_event": "zerowatch_run_last_event_timestamp_seconds",
+    "run_info": "zerowatch_run_info",
+    "run_running": "zerowatch_run_running",
+    "steps": "zerowatch_steps_total",
+}
+
+# -- records ---------------------------------------------------------------------------
+
+_FINITE = {"allow_inf_nan": False}
+
+
+@dataclass
+class CollectiveStats:
+    """Aggregate of all calls of one (op, purpose) within one step on one rank.
+
+    `bytes` uses nccl-tests' "size": the full tensor (all-gather output, reduce-scatter
+    input, all-reduce buffer). algbw = bytes / latency; busbw = algbw * factor(op, n).
+    """
+
+    __pydantic_config__ = _FINITE
+
+    op: CollectiveOp
+    purpose: Purpose
+    count: int
+    bytes: int
+    latency_sum_s: float
+    latency_max_s: float
+    #: Non-cumulative counts per LATENCY_BUCKETS bucket, +Inf last.
+    buckets: list[int]
+    world_size: int
+    #: Bytes-weighted bandwidths over the step: bytes / latency_sum_s (and * factor).
+    algbw_bytes_per_s: float = 0.0
+    busbw_bytes_per_s: float = 0.0
+    #: Calls issued asynchronously (overlapped with compute).
+    async_count: int = 0
+
+
+@dataclass
+class OffloadStats:
+    """Host<->device copies of one direction within one step (the PCIe figure on a GPU)."""
+
+    __pydantic_config__ = _FINITE
+
+    direction: Literal["d2h", "h2d"]
+    bytes: int
+    seconds: float
+    bandwidth_bytes_per_s: float = 0.0
+
+
+@dataclass
+class MemoryStats:
+    """Memory of one rank in one step, measured next to the ZeRO theory."""
+
+    __pydantic_config__ = _FINITE
+
+    #: Peak bytes per phase: the CUDA allocator's peak (reset between phases) on a GPU; on
+    #: CPU the process RSS peak seen during the phase.
+    peak_by_phase: dict[str, int] = field(default_factory=dict)
+    #: Bytes of model state the engine holds, per kind in STATE_KINDS, on its device
+    #: (and `host_` + kind for offloaded state).
+    model_state: dict[str, int] = field(default_factory=dict)
+    #: The same kinds according to zerowatch.theory for this stage, offload and precision.
+    model_state_theory: dict[str, int] = field(default_factory=dict)
+    device: Literal["cpu", "cuda"] = "cpu"
+    reserved_bytes: int = 0
+    capacity_bytes: int = 0
+    rss_peak_bytes: int = 0
+    alloc_retries: int = 0
+    ooms: int = 0
+
+
+@dataclass
+class Span:
+    """One raw slice for the trace export (sampled steps only): a phase or a collective."""
+
+    __pydantic_config__ = _FINITE
+
+    name: str
+    cat: Literal["phase", "collective", "offload"]
+    start: float
+    end: float
+    #: Collective details: op, purpose, bytes, async.
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StepEvent:
+    """Everything one rank measured in one optimizer step."""
+
+    __pydantic_config__ = _FINITE
+
+    rank: int
+    seq: int
+    step: int
+    #: Unix time at the end of the step.
+    time: float
+    step_time_s: float
+    phases: dict[str, float] = field(default_factory=dict)
+    collectives: list[CollectiveStats] = field(default_factory=list)
+    #: Communication time compute did not hide: sync collectives plus the time spent
+    #: blocked waiting on async ones.
+    exposed_comm_s: float = 0.0
+    offload: list[OffloadStats] = field(default_factory=list)
+    memory: MemoryStats | None = None
+    #: Global gradient norm before clipping; None when non-finite or unknown.
+    grad_norm: float | None = None
+    clipped: bool = False
+    loss: float | None = None
+    loss_scale: float | None = None
+    skipped: bool = False
+    nonfinite: bool = False
+    lr: float | None = None
+    samples: int = 0
+    tokens: int = 0
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    #: User scalars from run.log(**scalars).
+    scalars: dict[str, float] = field(default_factory=dict)
+    #: Raw spans for the trace export; only on sampled steps.
+    spans: list[Span] | None = None
+    kind: Literal["step"] = "step"
+
+
+@dataclass
+class EndEvent:
+    """The last event of a rank: the run finished or failed on this rank."""
+
+    rank: int
+    seq: int
+    time: float
+    status: Literal["finished", "failed"]
+    error: str | None = None
+    #: Agent health: events dropped because the spool was full, agent errors swallowed.
+    dropped_events: int = 0
+    agent_errors: int = 0
+    kind: Literal["end"] = "end"
+
+
+Event = StepEvent | EndEvent
+
+
+@dataclass
+class RunCreate:
+    """Sent once per job (by rank 0, idempotent on run_id) before any event."""
+
+    __pydantic_config__ = _FINITE
+
+    run_id: str
+    name: str
+    project: str = "default"
+    tags: list[str] = field(default_factory=list)
+    world_size: int = 1
+    #: Which engine: "zerowatch" (bundled), "deepspeed", "fsdp2".
+    engine: str = "zerowatch"
+    engine_info: dict[str, Any] = field(default_factory=dict)
+    zero_stage: int = 0
+    offload_optimizer: OffloadDevice = "none"
+    offload_param: OffloadDevice = "none"
+    precision: Precision = "fp32"
+    #: The full resolved DeepSpeed-style config.
+    config: dict[str, Any] = field(default_factory=dict)
+    param_count: int = 0
+    hosts: list[str] = field(default_factory=list)
+    torch_version: str = ""
+    zerowatch_version: str = ""
+    #: Per-rank theoretical model-state bytes (theory.py) for this stage, by kind.
+    theory: dict[str, int] = field(default_factory=dict)
+    #: Theoretical bytes per step per collective op (nccl-tests size), from theory.py.
+    theory_comm: dict[str, int] = field(default_factory=dict)
+    started_at: float = 0.0
+    schema_version: int = SCHEMA_VERSION
+
+
+@dataclass
+class EventBatch:
+    """One POST of events for one run; ranks may be mixed, order within a rank is by seq."""
+
+    run_id: str
+    events: list[StepEvent | EndEvent]
+    schema_version: int = SCHEMA_VERSION
+
+
+__all__ = [
+    "COLLECTIVE_OPS",
+    "DEEPSPEED_TIMER_NAMES",
+    "LATENCY_BUCKETS",
+    "METRICS",
+    "PHASES",
+    "PURPOSES",
+    "SCHEMA_VERSION",
+    "STATE_KINDS",
+    "CollectiveStats",
+    "EndEvent",
+    "Event",
+    "EventBatch",
+    "MemoryStats",
+    "OffloadStats",
+    "RunCreate",
+    "Span",
+    "StepEvent",
+    "bucket_index",
+    "bus_bandwidth_factor",
+]

@@ -1,0 +1,1 @@
+"""Example models and training scripts (the demo and the benchmarks use them)."""

@@ -1,0 +1,208 @@
+"""Simulated runs: realistic event streams without torch, for the server's tests, the alert
+end-to-end tests, the dashboards' tests and the ingest benchmark.
+
+The numbers follow the ZeRO model (zerowatch.theory): collective sizes per step are the
+theoretical ones for the stage, model-state bytes are the theory's, and phase times are
+drawn around a base step time. Knobs make a run regress (step time grows after a step),
+stall (stop emitting), spike its grad norm, or have a straggler rank.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from zerowatch import events as ev
+from zerowatch import theory
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimSpec:
+    """What to simulate."""
+
+    name: str = "sim"
+    project: str = "default"
+    tags: tuple[str, ...] = ()
+    world_size: int = 2
+    stage: int = 3
+    precision: str = "bf16"
+    offload_optimizer: bool = False
+    num_params: int = 125_000_000
+    micro_batch: int = 8
+    seq_len: int = 1024
+    step_time_s: float = 0.5
+    #: From this step on, step times are multiplied by `regress_factor`.
+    regress_at: int | None = None
+    regress_factor: float = 1.5
+    #: This rank runs `straggler_factor` slower.
+    straggler_rank: int | None = None
+    straggler_factor: float = 1.3
+    #: At this step the grad norm jumps 50-fold.
+    grad_spike_at: int | None = None
+    #: Every this many steps carries raw spans (for the trace export); 0 = never.
+    spans_every: int = 10
+    seed: int = 0
+
+
+def run_create(spec: SimSpec, run_id: str | None = None) -> ev.RunCreate:
+    """The RunCreate a real agent would send for this spec."""
+    ms = theory.model_state_bytes(
+        spec.num_params, spec.world_size, spec.stage,
+        precision=spec.precision, offload_optimizer=spec.offload_optimizer,
+    )  # fmt: skip
+    return ev.RunCreate(
+        run_id=run_id or uuid.uuid4().hex,
+        name=spec.name,
+        project=spec.project,
+        tags=list(spec.tags),
+        world_size=spec.world_size,
+        engine="simulated",
+        zero_stage=spec.stage,
+        offload_optimizer="cpu" if spec.offload_optimizer else "none",
+        precision=spec.precision,  # type: ignore[arg-type]
+        config={"zero_optimization": {"stage": spec.stage}, "train_micro_batch_size_per_gpu": spec.micro_batch},
+        param_count=spec.num_params,
+        hosts=["sim-host-0"],
+        theory=ms.flat(),
+        theory_comm=theory.comm_bytes_per_step(
+            spec.num_params, spec.world_size, spec.stage, precision=spec.precision
+        ),
+        started_at=time.time(),
+    )
+
+
+def _collectives(spec: SimSpec, rng: random.Random, scale: float) -> list[ev.CollectiveStats]:
+    sizes = theory.comm_bytes_per_step(
+        spec.num_params, spec.world_size, spec.stage, precision=spec.precision
+    )
+    purpose = {"all_reduce": "grad_reduce", "reduce_scatter": "grad_reduce",
+               "all_gather": "param_fetch" if spec.stage == 3 else "optimizer_gather"}  # fmt: skip
+    out = []
+    for op, nbytes in sizes.items():
+        count = 24 if spec.stage == 3 else 4
+        buckets = [0] * (len(ev.LATENCY_BUCKETS) + 1)
+        lat_sum = lat_max = 0.0
+        for _ in range(count):
+            lat = spec.step_time_s * scale * 0.02 * rng.uniform(0.5, 1.5)
+            buckets[ev.bucket_index(lat)] += 1
+            lat_sum += lat
+            lat_max = max(lat_max, lat)
+        algbw = nbytes / lat_sum
+        out.append(
+            ev.CollectiveStats(
+                op=op,  # type: ignore[arg-type]
+                purpose=purpose[op],  # type: ignore[arg-type]
+                count=count,
+                bytes=nbytes,
+                latency_sum_s=lat_sum,
+                latency_max_s=lat_max,
+                buckets=buckets,
+                world_size=spec.world_size,
+                algbw_bytes_per_s=algbw,
+                busbw_bytes_per_s=algbw * ev.bus_bandwidth_factor(op, spec.world_size),
+                async_count=count // 2,
+            )
+        )
+    return out
+
+
+def step_event(spec: SimSpec, rank: int, step: int, *, t: float | None = None,
+               rng: random.Random | None = None) -> ev.StepEvent:  # fmt: skip
+    """One rank's event for one step (seq == step)."""
+    rng = rng or random.Random(spec.seed * 1_000_003 + rank * 7919 + step)
+    scale = 1.0
+    if spec.regress_at is not None and step >= spec.regress_at:
+        scale *= spec.regress_factor
+    if spec.straggler_rank == rank:
+        scale *= spec.straggler_factor
+    total = spec.step_time_s * scale * rng.uniform(0.95, 1.05)
+    phases = {
+        "forward": total * 0.3,
+        "backward": total * 0.55,
+        "grad_reduce": total * 0.1,
+        "optimizer_step": total * 0.15,
+    }
+    if spec.stage == 3:
+        phases["param_gather"] = total * 0.12
+    offload = []
+    if spec.offload_optimizer:
+        nbytes = 2 * theory.shard(spec.num_params, spec.world_size)
+        phases["offload_d2h"] = total * 0.03
+        phases["offload_h2d"] = total * 0.03
+        offload = [
+            ev.OffloadStats(direction=d, bytes=nbytes, seconds=phases[f"offload_{d}"],
+                            bandwidth_bytes_per_s=nbytes / phases[f"offload_{d}"])  # fmt: skip
+            for d in ("d2h", "h2d")
+        ]
+    ms = theory.model_state_bytes(
+        spec.num_params, spec.world_size, spec.stage,
+        precision=spec.precision, offload_optimizer=spec.offload_optimizer,
+    )  # fmt: skip
+    state = ms.flat()
+    peak = ms.device_total
+    memory = ev.MemoryStats(
+        peak_by_phase={
+            p: int(peak * f) for p, f in (("forward", 1.3), ("backward", 1.5), ("optimizer_step", 1.2))
+        },
+        model_state={k: int(v * rng.uniform(1.0, 1.02)) for k, v in state.items()},
+        model_state_theory=state,
+        device="cuda",
+        reserved_bytes=int(peak * 1.7),
+        capacity_bytes=80 * 2**30,
+    )
+    grad_norm = rng.uniform(0.8, 1.2)
+    if spec.grad_spike_at is not None and step == spec.grad_spike_at:
+        grad_norm *= 50
+    samples = spec.micro_batch
+    spans = None
+    if spec.spans_every and step % spec.spans_every == 0:
+        end = t if t is not None else time.time()
+        start = end - total
+        spans, cursor = [], start
+        for name in ("forward", "backward", "optimizer_step"):
+            dur = phases[name] * 0.9
+            spans.append(ev.Span(name=name, cat="phase", start=cursor, end=cursor + dur))
+            cursor += dur
+        spans.append(ev.Span(name="all_gather", cat="collective", start=start, end=start + 0.01,
+                             args={"op": "all_gather", "bytes": 1 << 20, "async": True}))  # fmt: skip
+    return ev.StepEvent(
+        rank=rank,
+        seq=step,
+        step=step,
+        time=t if t is not None else time.time(),
+        step_time_s=total,
+        phases=phases,
+        collectives=_collectives(spec, rng, scale),
+        exposed_comm_s=total * 0.08,
+        offload=offload,
+        memory=memory,
+        grad_norm=grad_norm,
+        clipped=grad_norm > 1.0,
+        loss=4.0 / (1 + 0.05 * step) + rng.uniform(-0.02, 0.02),
+        loss_scale=65536.0 if spec.precision == "fp16" else None,
+        lr=1e-4 * min(1.0, (step + 1) / 10),
+        samples=samples,
+        tokens=samples * spec.seq_len,
+        samples_per_s=samples / total,
+        tokens_per_s=samples * spec.seq_len / total,
+        spans=spans,
+    )
+
+
+def steps(spec: SimSpec, n_steps: int, *, start: int = 0,
+          t0: float | None = None) -> Iterator[list[ev.StepEvent]]:  # fmt: skip
+    """Yield, per step, the events of every rank, timestamped as if the run had started at
+    `t0` (default: so that the last step ends now)."""
+    if t0 is None:
+        t0 = time.time() - n_steps * spec.step_time_s
+    for step in range(start, start + n_steps):
+        t = t0 + (step - start + 1) * spec.step_time_s
+        yield [step_event(spec, r, step, t=t) for r in range(spec.world_size)]
+
+
+__all__ = ["SimSpec", "run_create", "step_event", "steps"]
