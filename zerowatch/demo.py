@@ -1,0 +1,222 @@
+"""`zerowatch demo`: the main job, end to end on one CPU machine.
+
+1. Start a zerowatch server on SQLite (unless `--server` names a running one).
+2. For each requested ZeRO stage, launch an instrumented multi-rank training of a small
+   GPT-like model with torchrun (gloo on CPU): `zerowatch.examples.train`.
+3. Follow each run's progress from the server (the steps every rank has stored).
+4. Print a summary per stage (step time, samples/s, model-state bytes per rank measured
+   against the ZeRO theory, bytes communicated per step) and the dashboard addresses.
+
+Everything here talks to the server over HTTP and to training through subprocesses, so this
+module imports neither torch nor the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode} before it was ready")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"the server at {url} did not answer /healthz within {timeout_s:.0f} s")
+
+
+@contextlib.contextmanager
+def _server(port: int, db_url: str, log_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A `zerowatch serve` subprocess on 127.0.0.1, stopped by its pid on exit."""
+    url = f"http://127.0.0.1:{port}"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "zerowatch.cli", "serve", "--host", "127.0.0.1",
+             "--port", str(port), "--db", db_url],  # fmt: skip
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            _wait_healthy(url, proc)
+            yield url, proc
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+@dataclass
+class StageRun:
+    stage: int
+    run_id: str
+    returncode: int | None = None
+    log_path: Path | None = None
+
+
+def _launch(stage: int, run_id: str, *, world_size: int, steps: int, server: str, log_path: Path) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc-per-node", str(world_size), "--master-addr", "127.0.0.1",
+        "--master-port", str(_free_port()),
+        "-m", "zerowatch.examples.train",
+        "--stage", str(stage), "--steps", str(steps), "--server", server,
+        "--run-id", run_id, "--name", f"demo-stage{stage}", "--project", "demo",
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen(cmd, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env=env)
+
+
+def _stored_steps(client: httpx.Client, run_id: str) -> int:
+    """Steps stored for the slowest rank of a run (0 until the run exists)."""
+    try:
+        resp = client.get(f"/api/v1/runs/{run_id}")
+    except httpx.HTTPError:
+        return 0
+    if resp.status_code != 200:
+        return 0
+    ranks = resp.json().get("ranks", [])
+    return min((r.get("steps", 0) for r in ranks), default=0)
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _summary_table(compare: dict[str, Any], runs: list[StageRun]) -> Table:
+    table = Table(title="zerowatch demo: one model, several ZeRO stages")
+    for col in ("stage", "step time", "samples/s", "model state / rank", "theory / rank",
+                "measured / theory", "comm / step"):  # fmt: skip
+        table.add_column(col, justify="right")
+    by_id = {r.get("run_id"): r for r in compare.get("runs", [])}
+    for sr in runs:
+        r = by_id.get(sr.run_id, {})
+        measured = r.get("model_state_bytes")
+        theory = r.get("theory_bytes")
+        ratio = f"{measured / theory:.2f}" if measured and theory else "-"
+        st = r.get("step_time_s")
+        sps = r.get("samples_per_s")
+        table.add_row(
+            str(sr.stage),
+            f"{st * 1000:.1f} ms" if st else "-",
+            f"{sps:.1f}" if sps else "-",
+            _fmt_bytes(measured),
+            _fmt_bytes(theory),
+            ratio,
+            _fmt_bytes(r.get("comm_bytes_per_step")),
+        )
+    return table
+
+
+def run_demo(
+    *,
+    stages: list[int],
+    world_size: int = 2,
+    steps: int = 30,
+    port: int = 8321,
+    db_url: str | None = None,
+    server: str | None = None,
+    serve: bool = True,
+) -> int:
+    """Run the demo; returns the process exit code (0 when every run succeeded)."""
+    workdir = Path(tempfile.mkdtemp(prefix="zerowatch-demo-"))
+    with contextlib.ExitStack() as stack:
+        if server is None:
+            port = port or _free_port()
+            db = db_url or f"sqlite:///{Path.cwd() / 'zerowatch-demo.db'}"
+            try:
+                url, _ = stack.enter_context(_server(port, db, workdir / "server.log"))
+            except RuntimeError as e:
+                console.print(f"[red]error:[/] {e} (log: {workdir / 'server.log'})")
+                return 1
+            console.print(f"zerowatch server on {url} (database {db})")
+        else:
+            url = server.rstrip("/")
+            try:
+                _wait_healthy(url, None, timeout_s=10)
+            except RuntimeError as e:
+                console.print(f"[red]error:[/] {e}")
+                return 1
+
+        runs = [StageRun(stage=s, run_id=uuid.uuid4().hex[:12]) for s in stages]
+        client = stack.enter_context(httpx.Client(base_url=url, timeout=10))
+        progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), console=console,
+        )  # fmt: skip
+        with progress:
+            for sr in runs:
+                sr.log_path = workdir / f"stage{sr.stage}.log"
+                task = progress.add_task(f"ZeRO-{sr.stage} x{world_size} ranks", total=steps)
+                proc = _launch(sr.stage, sr.run_id, world_size=world_size, steps=steps,
+                               server=url, log_path=sr.log_path)  # fmt: skip
+                while proc.poll() is None:
+                    progress.update(task, completed=_stored_steps(client, sr.run_id))
+                    time.sleep(0.5)
+                sr.returncode = proc.returncode
+                # The agents flush at close; give the last batch a moment to land.
+                deadline = time.monotonic() + 10
+                while _stored_steps(client, sr.run_id) < steps and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                progress.update(task, completed=_stored_steps(client, sr.run_id))
+
+        failed = [sr for sr in runs if sr.returncode != 0]
+        for sr in failed:
+            console.print(f"[red]ZeRO-{sr.stage} failed[/] (exit {sr.returncode}); log: {sr.log_path}")
+            if sr.log_path and sr.log_path.exists():
+                console.print(sr.log_path.read_text(errors="replace")[-3000:])
+        ok = [sr for sr in runs if sr.returncode == 0]
+        if ok:
+            resp = client.get("/api/v1/compare", params={"runs": ",".join(r.run_id for r in ok)})
+            compare = resp.json() if resp.status_code == 200 else {}
+            console.print(_summary_table(compare, ok))
+            for sr in ok:
+                console.print(f"ZeRO-{sr.stage} run:  {url}/runs/{sr.run_id}")
+            console.print(f"compare:    {url}/compare?runs={','.join(r.run_id for r in ok)}")
+            console.print(f"all runs:   {url}/")
+        if server is None and serve and ok:
+            console.print("Serving the dashboards; press Ctrl-C to stop.")
+            with contextlib.suppress(KeyboardInterrupt):
+                while True:
+                    time.sleep(3600)
+        return 1 if failed else 0
+
+
+__all__ = ["run_demo"]
