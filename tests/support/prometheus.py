@@ -140,6 +140,7 @@ class PrometheusServer:
             if last:
                 return last
             if time.monotonic() > deadline:
+                targets: list[Any]
                 try:
                     targets = [
                         (t["scrapeUrl"], t["health"], t["lastError"]) for t in self.targets()
