@@ -506,7 +506,7 @@ def _unknown(full: str, name: str, candidates: set[str], known_for: str) -> str:
 
 def _warn(message: str) -> None:
     """warnings.warn pointing at the first caller outside this module."""
-    frame, level = sys._getframe(1), 1
+    frame, level = sys._getframe(1), 2
     while frame is not None and frame.f_code.co_filename == __file__:
         frame, level = frame.f_back, level + 1  # type: ignore[assignment]
     warnings.warn(message, ConfigWarning, stacklevel=level)
