@@ -1,0 +1,173 @@
+"""Figures of the compare page (`/compare?runs=a,b,c`): runs side by side.
+
+The same model at ZeRO stages 1, 2 and 3 shows the trade the paper describes: model-state
+bytes per rank go down (optimizer states, then gradients, then parameters are sharded)
+while the bytes communicated per step go up (stage 3 gathers the parameters twice). Each
+builder takes a list of dashboards.data.RunSummary and returns a go.Figure with one bar (or
+one point) per run, in the given order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import plotly.graph_objects as go
+from zerowatch.dashboards import theme as th
+from zerowatch.dashboards.data import RunSummary
+
+from zerowatch.events import COLLECTIVE_OPS, PHASES, STATE_KINDS
+
+
+def _labels(runs: Sequence[RunSummary]) -> list[str]:
+    # Two runs may share a name: suffix the id's head so bars do not merge.
+    names = [th.text(r.label) for r in runs]
+    return [
+        f"{n} · {th.text(r.run_id[:6])}" if names.count(n) > 1 else n
+        for n, r in zip(names, runs, strict=True)
+    ]
+
+
+def _kinds(dicts: Sequence[dict[str, float]], known: Sequence[str]) -> list[str]:
+    # Kinds that are zero everywhere (no master weights in fp32) would only clutter the legend.
+    seen = {k for d in dicts for k, v in d.items() if v}
+    return [k for k in known if k in seen] + sorted(seen - set(known))
+
+
+def model_state(runs: Sequence[RunSummary]) -> go.Figure:
+    """Per-rank model-state bytes of each run, stacked by kind (host-offloaded kinds hatched),
+    with the ZeRO theory's total as a diamond."""
+    fig = th.figure("Model-state bytes per rank", height=380)
+    x = _labels(runs)
+    device_kinds = [k for k in STATE_KINDS] + [f"host_{k}" for k in STATE_KINDS]
+    for kind in _kinds([r.model_state for r in runs], device_kinds):
+        base = kind.removeprefix("host_")
+        host = kind.startswith("host_")
+        fig.add_trace(
+            go.Bar(
+                x=x,
+                y=th.scaled([r.model_state.get(kind) for r in runs], th.GIB),
+                name=th.kind_label(base) + (" (host)" if host else ""),
+                marker={
+                    "color": th.KIND_COLORS.get(base),
+                    "pattern": {"shape": "x" if host else ""},
+                },
+                hovertemplate="%{y:.4~f} GiB",
+            )
+        )
+    theory = [sum(r.model_state_theory.values()) or None for r in runs]
+    if any(theory):
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=th.scaled(theory, th.GIB),
+                name="ZeRO theory (total)",
+                mode="markers",
+                marker={"symbol": "diamond", "size": 12, "color": th.THEORY_COLOR},
+                hovertemplate="theory %{y:.4~f} GiB",
+            )
+        )
+    fig.update_layout(barmode="stack", yaxis={"title": {"text": "bytes per rank (GiB)"}})
+    return fig
+
+
+def comm_bytes(runs: Sequence[RunSummary]) -> go.Figure:
+    """Collective bytes (nccl-tests size) per step per rank, stacked by op, theory as a diamond."""
+    fig = th.figure("Bytes communicated per step", height=380)
+    x = _labels(runs)
+    for op in _kinds([r.comm_bytes for r in runs], COLLECTIVE_OPS):
+        fig.add_trace(
+            go.Bar(
+                x=x,
+                y=th.scaled([r.comm_bytes.get(op) for r in runs], th.GIB),
+                name=th.op_label(op),
+                marker={"color": th.OP_COLORS.get(op)},
+                hovertemplate="%{y:.4~f} GiB per step",
+            )
+        )
+    theory = [sum(r.comm_bytes_theory.values()) or None for r in runs]
+    if any(theory):
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=th.scaled(theory, th.GIB),
+                name="ZeRO theory",
+                mode="markers",
+                marker={"symbol": "diamond", "size": 12, "color": th.THEORY_COLOR},
+                hovertemplate="theory %{y:.4~f} GiB per step",
+            )
+        )
+    fig.update_layout(barmode="stack", yaxis={"title": {"text": "bytes per step (GiB)"}})
+    return fig
+
+
+def step_phases(runs: Sequence[RunSummary]) -> go.Figure:
+    """Mean time per step in each phase, stacked, with the mean step time as a marker."""
+    fig = th.figure("Step time by phase (mean)", height=380)
+    x = _labels(runs)
+    for phase in _kinds([r.phases for r in runs], PHASES):
+        fig.add_trace(
+            go.Bar(
+                x=x,
+                y=th.scaled([r.phases.get(phase) for r in runs], 1e-3),
+                name=th.phase_label(phase),
+                marker={"color": th.PHASE_COLORS.get(phase)},
+                hovertemplate="%{y:.3~f} ms",
+            )
+        )
+    fig.add_trace(
+        go.Scatter(
+            x=x,
+            y=th.scaled([r.step_time_s for r in runs], 1e-3),
+            name="step time",
+            mode="markers",
+            marker={"symbol": "line-ew-open", "size": 28, "line": {"width": 3, "color": "#2d3436"}},
+            hovertemplate="step %{y:.3~f} ms",
+        )
+    )
+    fig.update_layout(barmode="stack", yaxis={"title": {"text": "time per step (ms)"}})
+    return fig
+
+
+def throughput(runs: Sequence[RunSummary]) -> go.Figure:
+    """Mean samples per second of each run (all ranks together)."""
+    fig = th.figure("Throughput", height=380)
+    x = _labels(runs)
+    fig.add_trace(
+        go.Bar(
+            x=x,
+            y=[r.samples_per_s for r in runs],
+            name="samples/s",
+            marker={"color": [th.color_for(i) for i in range(len(runs))]},
+            text=[th.fmt_rate(r.samples_per_s, "samples/s") for r in runs],
+            textposition="auto",
+            hovertemplate="%{y:.4~g} samples/s<extra></extra>",
+        )
+    )
+    fig.update_layout(showlegend=False, yaxis={"title": {"text": "samples/s"}})
+    return fig
+
+
+def tradeoff(runs: Sequence[RunSummary]) -> go.Figure:
+    """Memory against communication, one point per run: the ZeRO trade in one picture."""
+    fig = th.figure("Memory vs communication", height=380)
+    for i, (label, r) in enumerate(zip(_labels(runs), runs, strict=True)):
+        fig.add_trace(
+            go.Scatter(
+                x=[sum(r.model_state.values()) / th.GIB],
+                y=[sum(r.comm_bytes.values()) / th.GIB],
+                name=label,
+                mode="markers+text",
+                text=[f"stage {r.zero_stage}"],
+                textposition="top center",
+                marker={"size": 16, "color": th.color_for(i)},
+                hovertemplate="%{x:.4~f} GiB per rank<br>%{y:.4~f} GiB per step",
+            )
+        )
+    fig.update_layout(
+        xaxis={"title": {"text": "model-state bytes per rank (GiB)"}, "rangemode": "tozero"},
+        yaxis={"title": {"text": "bytes communicated per step (GiB)"}, "rangemode": "tozero"},
+    )
+    return fig
+
+
+__all__ = ["comm_bytes", "model_state", "step_phases", "throughput", "tradeoff"]

@@ -1,0 +1,127 @@
+"""The plain data the figure builders take: a series over steps, points over message size, a
+rank-by-step grid. Pages fill these from the server's queries; tests build them by hand.
+
+Standard library only, so that the figure builders stay pure functions of plain data.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Series:
+    """One quantity over steps (already downsampled): `values[i]` at `steps[i]`; None is a gap."""
+
+    steps: Sequence[int] = ()
+    values: Sequence[float | None] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.steps) != len(self.values):
+            raise ValueError(
+                f"Series: steps and values differ in length ({len(self.steps)} != {len(self.values)})"
+            )
+
+    def __bool__(self) -> bool:
+        return any(v is not None for v in self.values)
+
+    @property
+    def last(self) -> float | None:
+        for v in reversed(self.values):
+            if v is not None:
+                return v
+        return None
+
+
+@dataclass(frozen=True)
+class SizePoints:
+    """Collective calls of one op as (bytes per call, bus bandwidth) points: the nccl-tests view."""
+
+    sizes: Sequence[float] = ()
+    busbw: Sequence[float] = ()
+    steps: Sequence[int] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) != len(self.busbw):
+            raise ValueError("SizePoints: sizes and busbw differ in length")
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """A quantity per rank (rows) over step buckets (columns): `z[i][j]` is rank `ranks[i]`
+    at step `steps[j]` (the first step of the bucket)."""
+
+    ranks: Sequence[int] = ()
+    steps: Sequence[int] = ()
+    z: Sequence[Sequence[float | None]] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.z) != len(self.ranks):
+            raise ValueError(f"RankGrid: {len(self.z)} rows for {len(self.ranks)} ranks")
+        for i, row in enumerate(self.z):
+            if len(row) != len(self.steps):
+                raise ValueError(
+                    f"RankGrid: row of rank {self.ranks[i]} has {len(row)} cells for {len(self.steps)} steps"
+                )
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """The slowest rank: its mean and how far above the median of all ranks' means."""
+
+    rank: int
+    mean: float
+    median: float
+
+    @property
+    def excess(self) -> float:
+        """How much slower than the median rank, as a fraction (0.28 = 28 % slower)."""
+        return self.mean / self.median - 1.0 if self.median > 0 else 0.0
+
+
+def straggler(grid: RankGrid, *, threshold: float = 0.05) -> Straggler | None:
+    """The rank whose mean is highest, when it exceeds the median of rank means by more than
+    `threshold` (5 %); None with fewer than two ranks or when no rank stands out."""
+    means: list[tuple[int, float]] = []
+    for rank, row in zip(grid.ranks, grid.z, strict=True):
+        vals = [v for v in row if v is not None and math.isfinite(v)]
+        if vals:
+            means.append((rank, sum(vals) / len(vals)))
+    if len(means) < 2:
+        return None
+    median = statistics.median(m for _, m in means)
+    rank, mean = max(means, key=lambda rm: rm[1])
+    found = Straggler(rank=rank, mean=mean, median=median)
+    return found if found.excess > threshold else None
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """One run as the figures of the compare page need it (means over the run's steps)."""
+
+    run_id: str
+    name: str
+    zero_stage: int = 0
+    world_size: int = 1
+    #: Measured model-state bytes per rank by kind (device + host), as the agent reported.
+    model_state: dict[str, float] = field(default_factory=dict)
+    #: The ZeRO theory's model-state bytes per rank by kind.
+    model_state_theory: dict[str, float] = field(default_factory=dict)
+    #: Mean collective bytes (nccl-tests size) per step per rank, by op.
+    comm_bytes: dict[str, float] = field(default_factory=dict)
+    #: The theory's collective bytes per step, by op.
+    comm_bytes_theory: dict[str, float] = field(default_factory=dict)
+    #: Mean seconds per phase per step.
+    phases: dict[str, float] = field(default_factory=dict)
+    step_time_s: float | None = None
+    samples_per_s: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} (stage {self.zero_stage})"
+
+
+__all__ = ["RankGrid", "RunSummary", "Series", "SizePoints", "Straggler", "straggler"]

@@ -1,0 +1,88 @@
+"""Page assembly: figures and plain data into HTML, through Jinja2 templates that escape
+every value (autoescape on), with plotly.js and the page script served by the server.
+
+Figures travel to the browser as JSON inside `<script type="application/json">`, read with
+`JSON.parse(textContent)`; `script_json` escapes `<`, `>` and `&` as `\\u003c`... so that no
+data string can close the script element. Labels inside figures are escaped for Plotly by
+the builders (theme.text).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import plotly.graph_objects as go
+from plotly.utils import PlotlyJSONEncoder
+from zerowatch.dashboards import theme as th
+
+#: Plotly config of every chart: responsive, no logo, no "edit in chart studio".
+PLOT_CONFIG: dict[str, Any] = {"responsive": True, "displaylogo": False}
+
+_SCRIPT_ESCAPES = {
+    "<": "\\u003c",
+    ">": "\\u003e",
+    "&": "\\u0026",
+    "\u2028": "\\u2028",
+    "\u2029": "\\u2029",
+}
+
+
+def figure_dict(fig: go.Figure) -> dict[str, Any]:
+    """A figure as the plain {data, layout} dict Plotly.newPlot / Plotly.react take."""
+    out: dict[str, Any] = json.loads(json.dumps(fig.to_plotly_json(), cls=PlotlyJSONEncoder))
+    return {"data": out.get("data", []), "layout": out.get("layout", {})}
+
+
+def script_json(value: Any) -> str:
+    """JSON safe to embed inside a `<script type="application/json">` element."""
+    text = json.dumps(value, cls=PlotlyJSONEncoder, allow_nan=False, separators=(",", ":"))
+    for char, escaped in _SCRIPT_ESCAPES.items():
+        text = text.replace(char, escaped)
+    return text
+
+
+def figures_payload(figures: Mapping[str, go.Figure]) -> dict[str, dict[str, Any]]:
+    """Chart id -> {data, layout}, in page order."""
+    return {key: figure_dict(fig) for key, fig in figures.items()}
+
+
+def _fmt_time(ts: float | None) -> str:
+    if not ts or not math.isfinite(ts):
+        return "–"
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(ts, tz=dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+@lru_cache(maxsize=1)
+def environment() -> jinja2.Environment:
+    """The Jinja2 environment of the dashboards' templates (autoescape everywhere)."""
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("zerowatch.dashboards", "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters.update(
+        bytes=th.fmt_bytes,
+        seconds=th.fmt_seconds,
+        rate=th.fmt_rate,
+        time=_fmt_time,
+        script_json=lambda v: jinja2.utils.markupsafe.Markup(script_json(v)),
+    )
+    env.globals.update(status_colors=th.STATUS_COLORS, plot_config=PLOT_CONFIG)
+    return env
+
+
+def render(template: str, **context: Any) -> str:
+    """Render one page template with its context."""
+    return environment().get_template(template).render(**context)
+
+
+__all__ = ["PLOT_CONFIG", "environment", "figure_dict", "figures_payload", "render", "script_json"]

@@ -1,0 +1,466 @@
+"""Figures of the run page (`/runs/{id}`): each answers one question about one run.
+
+- step_breakdown: where does a step's time go, and how much communication is exposed?
+- collectives: is a collective getting slower, is its bus bandwidth where it should be?
+- bandwidth_vs_size: are messages big enough to reach the link's bandwidth (nccl-tests view)?
+- memory: how far is each rank's peak above the ZeRO theory's model-state bytes?
+- offload: is the host link the bottleneck of CPU offload?
+- training: grad norm (clipping), loss, learning rate, loss scale and skipped steps.
+- rank_heatmap: which rank holds the others back?
+
+Every builder is a pure function of plain data (dashboards.data) returning a go.Figure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+from zerowatch.dashboards import theme as th
+from zerowatch.dashboards.data import RankGrid, Series, SizePoints, straggler
+
+from zerowatch.events import PHASES
+
+_STEP_AXIS = {"title": {"text": "step"}}
+
+
+def step_breakdown(
+    step_time: Series, phases: Mapping[str, Series], exposed_comm: Series | None = None
+) -> go.Figure:
+    """Step time per step, stacked by phase, with the exposed communication marked.
+
+    Phases may overlap (the gradient reduce runs inside the backward under overlap_comm), so
+    the stack can rise above the step-time line; where it stays below, the gap is shown as
+    "other" so the stack always reaches the step time.
+
+    Args:
+        step_time: seconds per step (the whole step).
+        phases: seconds per step for each phase in events.PHASES order (others after).
+        exposed_comm: seconds of communication compute did not hide, per step.
+    """
+    fig = th.figure("Step time by phase", height=380)
+    order = [p for p in PHASES if p in phases] + sorted(p for p in phases if p not in PHASES)
+    by_step: dict[int, float] = {}
+    for name in order:
+        series = phases[name]
+        if not series:
+            continue
+        for s, v in zip(series.steps, series.values, strict=True):
+            by_step[s] = by_step.get(s, 0.0) + (v or 0.0)
+        fig.add_trace(
+            go.Scatter(
+                x=list(series.steps),
+                y=th.scaled(series.values, 1e-3),
+                name=th.phase_label(name),
+                stackgroup="phases",
+                mode="lines",
+                line={"width": 0.5, "color": th.PHASE_COLORS.get(name)},
+                hovertemplate="%{y:.3~f} ms",
+            )
+        )
+    if step_time and by_step:
+        other = [
+            None if v is None else max(v - by_step.get(s, 0.0), 0.0)
+            for s, v in zip(step_time.steps, step_time.values, strict=True)
+        ]
+        if any(o for o in other):
+            fig.add_trace(
+                go.Scatter(
+                    x=list(step_time.steps),
+                    y=th.scaled(other, 1e-3),
+                    name=th.phase_label("other"),
+                    stackgroup="phases",
+                    mode="lines",
+                    line={"width": 0.5, "color": th.PHASE_COLORS["other"]},
+                    hovertemplate="%{y:.3~f} ms",
+                )
+            )
+    if step_time:
+        fig.add_trace(
+            go.Scatter(
+                x=list(step_time.steps),
+                y=th.scaled(step_time.values, 1e-3),
+                name="step time",
+                mode="lines",
+                line={"color": "#2d3436", "width": 2},
+                hovertemplate="%{y:.3~f} ms",
+            )
+        )
+    if exposed_comm:
+        fig.add_trace(
+            go.Scatter(
+                x=list(exposed_comm.steps),
+                y=th.scaled(exposed_comm.values, 1e-3),
+                name="exposed communication",
+                mode="lines",
+                line={"color": th.EXPOSED_COLOR, "width": 2, "dash": "dot"},
+                hovertemplate="%{y:.3~f} ms (not hidden by compute)",
+            )
+        )
+    fig.update_layout(
+        hovermode="x unified",
+        xaxis=_STEP_AXIS,
+        yaxis={"title": {"text": "time per step (ms)"}, "rangemode": "tozero"},
+    )
+    return fig
+
+
+def collectives(latency: Mapping[str, Series], busbw: Mapping[str, Series]) -> go.Figure:
+    """Per collective op: mean latency per call (ms) and bus bandwidth (GB/s) over steps.
+
+    Args:
+        latency: seconds per call, averaged over the step's calls, by op.
+        busbw: nccl-tests bus bandwidth in bytes/s, by op.
+    """
+    fig = make_subplots(
+        rows=2,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.1,
+        subplot_titles=("latency per call", "bus bandwidth"),
+    )
+    fig.update_layout(th.base_layout("Collectives over steps", height=460))
+    ops = sorted(set(latency) | set(busbw))
+    for op in ops:
+        color = th.OP_COLORS.get(op)
+        lat = latency.get(op)
+        if lat:
+            fig.add_trace(
+                go.Scatter(
+                    x=list(lat.steps),
+                    y=th.scaled(lat.values, 1e-3),
+                    name=th.op_label(op),
+                    legendgroup=op,
+                    mode="lines",
+                    line={"color": color},
+                    hovertemplate="%{y:.3~f} ms",
+                ),
+                row=1,
+                col=1,
+            )
+        bw = busbw.get(op)
+        if bw:
+            fig.add_trace(
+                go.Scatter(
+                    x=list(bw.steps),
+                    y=th.scaled(bw.values, th.GB),
+                    name=th.op_label(op),
+                    legendgroup=op,
+                    showlegend=not lat,
+                    mode="lines",
+                    line={"color": color, "dash": "solid"},
+                    hovertemplate="%{y:.3~f} GB/s",
+                ),
+                row=2,
+                col=1,
+            )
+    fig.update_yaxes(title_text="latency (ms)", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title_text="bus bandwidth (GB/s)", rangemode="tozero", row=2, col=1)
+    fig.update_xaxes(title_text="step", row=2, col=1)
+    fig.update_layout(hovermode="x unified")
+    return fig
+
+
+def bandwidth_vs_size(
+    points: Mapping[str, SizePoints], ceiling_bytes_per_s: float | None = None
+) -> go.Figure:
+    """Bus bandwidth against message size per op (log size axis), as nccl-tests plots it;
+    the machine's measured ceiling as a line where known.
+
+    Args:
+        points: per op, (bytes per call, bus bandwidth bytes/s) points.
+        ceiling_bytes_per_s: the best bus bandwidth measured on this machine, if known.
+    """
+    fig = th.figure("Bus bandwidth vs message size", height=380)
+    for op in sorted(points):
+        pts = points[op]
+        if not pts.sizes:
+            continue
+        fig.add_trace(
+            go.Scatter(
+                x=list(pts.sizes),
+                y=th.scaled(pts.busbw, th.GB),
+                name=th.op_label(op),
+                mode="markers",
+                marker={"color": th.OP_COLORS.get(op), "size": 7, "opacity": 0.7},
+                customdata=list(pts.steps) if pts.steps else None,
+                hovertemplate=(
+                    "%{x:.3s}B per call<br>%{y:.3~f} GB/s"
+                    + ("<br>step %{customdata}" if pts.steps else "")
+                ),
+            )
+        )
+    if ceiling_bytes_per_s:
+        fig.add_hline(
+            y=ceiling_bytes_per_s / th.GB,
+            line={"color": th.CAPACITY_COLOR, "dash": "dash"},
+            annotation_text=f"measured ceiling {ceiling_bytes_per_s / th.GB:.3g} GB/s",
+            annotation_position="top left",
+        )
+    fig.update_layout(
+        xaxis={"title": {"text": "message size (bytes per call)"}, "type": "log"},
+        yaxis={"title": {"text": "bus bandwidth (GB/s)"}, "rangemode": "tozero"},
+    )
+    return fig
+
+
+def memory(
+    peaks: Mapping[int, Mapping[str, float]],
+    model_state: Mapping[int, Mapping[str, float]],
+    theory: Mapping[str, float],
+    *,
+    stage: int,
+    capacity_bytes: float | None = None,
+) -> go.Figure:
+    """Peak memory per phase per rank next to the measured and theoretical model-state bytes.
+
+    Bars: per rank, the peak of each phase and the model state the engine holds (device);
+    dashed line: the ZeRO theory's device model-state bytes for this stage; red line: the
+    device capacity where known.
+
+    Args:
+        peaks: rank -> phase -> peak bytes.
+        model_state: rank -> kind -> bytes the engine holds (kinds prefixed `host_` are on the
+            host and are not counted against the device).
+        theory: kind -> bytes per rank according to zerowatch.theory (same key convention).
+        stage: ZeRO stage, for the labels.
+        capacity_bytes: device memory capacity, if known.
+    """
+    fig = th.figure("Memory per rank: peaks vs ZeRO model states", height=400)
+    ranks = sorted(set(peaks) | set(model_state))
+    x = [f"rank {r}" for r in ranks]
+    phases = [p for p in PHASES if any(p in peaks.get(r, {}) for r in ranks)]
+    phases += sorted({p for r in ranks for p in peaks.get(r, {})} - set(phases))
+    for phase in phases:
+        fig.add_trace(
+            go.Bar(
+                x=x,
+                y=th.scaled([peaks.get(r, {}).get(phase) for r in ranks], th.GIB),
+                name=f"peak in {th.phase_label(phase)}",
+                marker={"color": th.PHASE_COLORS.get(phase)},
+                hovertemplate="%{y:.4~f} GiB",
+            )
+        )
+    if model_state:
+        device_state = [
+            sum(v for k, v in model_state.get(r, {}).items() if not k.startswith("host_"))
+            for r in ranks
+        ]
+        fig.add_trace(
+            go.Bar(
+                x=x,
+                y=th.scaled(device_state, th.GIB),
+                name="model states (measured)",
+                marker={"color": "#636e72", "pattern": {"shape": "/"}},
+                hovertemplate="%{y:.4~f} GiB",
+            )
+        )
+    theory_device = sum(v for k, v in theory.items() if not k.startswith("host_"))
+    if theory_device and x:
+        detail = "<br>".join(
+            f"{th.kind_label(k)}: {th.fmt_bytes(v)}"
+            for k, v in theory.items()
+            if v and not k.startswith("host_")
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=[theory_device / th.GIB] * len(x),
+                name=f"ZeRO-{stage} theory: model states",
+                mode="lines+markers",
+                line={"color": th.THEORY_COLOR, "dash": "dash"},
+                marker={"symbol": "diamond", "size": 9},
+                hovertemplate=f"%{{y:.4~f}} GiB<br>{detail}<extra>theory</extra>",
+            )
+        )
+    if capacity_bytes:
+        fig.add_hline(
+            y=capacity_bytes / th.GIB,
+            line={"color": th.CAPACITY_COLOR, "dash": "dot"},
+            annotation_text=f"device capacity {th.fmt_bytes(capacity_bytes)}",
+            annotation_position="top left",
+        )
+    fig.update_layout(
+        barmode="group",
+        yaxis={"title": {"text": "memory (GiB)"}},
+        xaxis={"title": {"text": "rank"}},
+    )
+    return fig
+
+
+def offload(bandwidth: Mapping[str, Series]) -> go.Figure:
+    """Host<->device copy bandwidth per direction over steps (GB/s)."""
+    fig = th.figure("Offload bandwidth", height=320)
+    for direction in sorted(bandwidth):
+        s = bandwidth[direction]
+        if not s:
+            continue
+        fig.add_trace(
+            go.Scatter(
+                x=list(s.steps),
+                y=th.scaled(s.values, th.GB),
+                name=th.DIRECTION_LABELS.get(direction, th.text(direction)),
+                mode="lines",
+                line={"color": th.DIRECTION_COLORS.get(direction)},
+                hovertemplate="%{y:.3~f} GB/s",
+            )
+        )
+    fig.update_layout(
+        hovermode="x unified",
+        xaxis=_STEP_AXIS,
+        yaxis={"title": {"text": "bandwidth (GB/s)"}, "rangemode": "tozero"},
+    )
+    return fig
+
+
+def training(
+    *,
+    grad_norm: Series,
+    loss: Series,
+    lr: Series,
+    loss_scale: Series | None = None,
+    clipped_steps: Sequence[int] = (),
+    skipped_steps: Sequence[int] = (),
+) -> go.Figure:
+    """Optimizer signals over steps, one panel each: grad norm (clipped steps marked), loss,
+    learning rate, and loss scale with skipped (overflow) steps marked when fp16 scales."""
+    panels = ["gradient norm (pre-clip)", "loss", "learning rate"]
+    if loss_scale or skipped_steps:
+        panels.append("loss scale")
+    fig = make_subplots(
+        rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.06, subplot_titles=panels
+    )
+    fig.update_layout(th.base_layout("Training signals", height=170 * len(panels) + 80))
+    fig.add_trace(
+        go.Scatter(
+            x=list(grad_norm.steps),
+            y=list(grad_norm.values),
+            name="grad norm",
+            mode="lines",
+            line={"color": "#4C78A8"},
+            hovertemplate="%{y:.4~g}",
+        ),
+        row=1,
+        col=1,
+    )
+    if clipped_steps:
+        at = dict(zip(grad_norm.steps, grad_norm.values, strict=True))
+        xs = [s for s in clipped_steps if at.get(s) is not None]
+        fig.add_trace(
+            go.Scatter(
+                x=xs,
+                y=[at[s] for s in xs],
+                name="clipped",
+                mode="markers",
+                marker={"symbol": "x", "color": th.EXPOSED_COLOR, "size": 8},
+                hovertemplate="clipped at step %{x}",
+            ),
+            row=1,
+            col=1,
+        )
+    fig.add_trace(
+        go.Scatter(
+            x=list(loss.steps),
+            y=list(loss.values),
+            name="loss",
+            mode="lines",
+            line={"color": "#54A24B"},
+            hovertemplate="%{y:.4~f}",
+        ),
+        row=2,
+        col=1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=list(lr.steps),
+            y=list(lr.values),
+            name="learning rate",
+            mode="lines",
+            line={"color": "#B279A2"},
+            hovertemplate="%{y:.3~e}",
+        ),
+        row=3,
+        col=1,
+    )
+    if len(panels) == 4:
+        ls = loss_scale or Series()
+        fig.add_trace(
+            go.Scatter(
+                x=list(ls.steps),
+                y=list(ls.values),
+                name="loss scale",
+                mode="lines",
+                line={"color": "#F58518", "shape": "hv"},
+                hovertemplate="%{y:.0f}",
+            ),
+            row=4,
+            col=1,
+        )
+        if skipped_steps:
+            at = dict(zip(ls.steps, ls.values, strict=True))
+            fig.add_trace(
+                go.Scatter(
+                    x=list(skipped_steps),
+                    y=[at.get(s) or 1.0 for s in skipped_steps],
+                    name="skipped step",
+                    mode="markers",
+                    marker={"symbol": "triangle-down", "size": 9, "color": th.EXPOSED_COLOR},
+                    hovertemplate="step %{x} skipped (overflow)",
+                ),
+                row=4,
+                col=1,
+            )
+        fig.update_yaxes(title_text="scale", type="log", row=4, col=1)
+    fig.update_yaxes(title_text="norm", row=1, col=1)
+    fig.update_yaxes(title_text="loss", row=2, col=1)
+    fig.update_yaxes(title_text="lr", exponentformat="e", row=3, col=1)
+    fig.update_xaxes(title_text="step", row=len(panels), col=1)
+    fig.update_layout(hovermode="x unified")
+    return fig
+
+
+def rank_heatmap(grid: RankGrid, *, quantity: str = "step time") -> go.Figure:
+    """Step time per rank (rows) over steps (columns); the title names the straggler."""
+    found = straggler(grid)
+    title = f"{quantity.capitalize()} per rank"
+    if found is not None:
+        title += f" — straggler: rank {found.rank} ({found.excess:+.0%} vs median rank)"
+    else:
+        title += " — no straggler"
+    fig = th.figure(title, height=max(240, min(640, 60 + 22 * len(grid.ranks))))
+    z = [th.scaled(row, 1e-3) for row in grid.z]
+    fig.add_trace(
+        go.Heatmap(
+            x=list(grid.steps),
+            y=[f"rank {r}" for r in grid.ranks],
+            z=z,
+            colorscale="YlOrRd",
+            colorbar={"title": {"text": "ms"}},
+            hovertemplate="%{y}, step %{x}: %{z:.3~f} ms<extra></extra>",
+        )
+    )
+    if found is not None:
+        fig.add_annotation(
+            x=1.0,
+            xref="paper",
+            xanchor="right",
+            y=f"rank {found.rank}",
+            text=f"◀ straggler rank {found.rank}",
+            showarrow=False,
+            font={"color": "#2d3436", "size": 12},
+            bgcolor="rgba(255,255,255,0.8)",
+        )
+    fig.update_layout(xaxis=_STEP_AXIS, yaxis={"title": {"text": "rank"}, "autorange": "reversed"})
+    return fig
+
+
+__all__ = [
+    "bandwidth_vs_size",
+    "collectives",
+    "memory",
+    "offload",
+    "rank_heatmap",
+    "step_breakdown",
+    "training",
+]

@@ -1,0 +1,238 @@
+"""The look shared by every zerowatch chart: colours per phase / op / kind, the layout
+template, unit formatting, and the escaping of data shown inside a chart.
+
+Plotly renders a small subset of HTML in titles, legends and hover labels (`<b>`, `<br>`,
+`<span style=...>`), and drops tags it does not know: a run named `<script>x</script>` would
+show as `x`. Every string that comes from data (run names, tags, config values) goes through
+`text()` first, which turns `<`, `>` and `&` into entities that Plotly prints literally.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Iterable, Sequence
+
+import plotly.graph_objects as go
+
+# -- colours ------------------------------------------------------------------------------
+
+#: One colour per step phase; communication phases are warm, compute cool, host copies grey.
+PHASE_COLORS: dict[str, str] = {
+    "forward": "#4C78A8",
+    "backward": "#72B7B2",
+    "grad_reduce": "#F58518",
+    "param_gather": "#E45756",
+    "optimizer_step": "#54A24B",
+    "offload_d2h": "#B279A2",
+    "offload_h2d": "#9D755D",
+    "other": "#BAB0AC",
+}
+PHASE_LABELS: dict[str, str] = {
+    "forward": "forward",
+    "backward": "backward",
+    "grad_reduce": "gradient reduce",
+    "param_gather": "parameter gather",
+    "optimizer_step": "optimizer step",
+    "offload_d2h": "offload device→host",
+    "offload_h2d": "offload host→device",
+    "other": "other (unattributed)",
+}
+OP_COLORS: dict[str, str] = {
+    "all_gather": "#E45756",
+    "reduce_scatter": "#F58518",
+    "all_reduce": "#4C78A8",
+    "broadcast": "#54A24B",
+}
+KIND_COLORS: dict[str, str] = {
+    "params": "#4C78A8",
+    "grads": "#F58518",
+    "optimizer_states": "#54A24B",
+    "master_weights": "#B279A2",
+}
+KIND_LABELS: dict[str, str] = {
+    "params": "parameters",
+    "grads": "gradients",
+    "optimizer_states": "optimizer states",
+    "master_weights": "fp32 master weights",
+}
+DIRECTION_COLORS: dict[str, str] = {"d2h": "#B279A2", "h2d": "#9D755D"}
+DIRECTION_LABELS: dict[str, str] = {"d2h": "device → host", "h2d": "host → device"}
+STATUS_COLORS: dict[str, str] = {
+    "running": "#2E86DE",
+    "finished": "#27AE60",
+    "failed": "#C0392B",
+    "stalled": "#E67E22",
+}
+#: A qualitative palette for runs side by side and ranks.
+SERIES_COLORS: tuple[str, ...] = (
+    "#4C78A8",
+    "#F58518",
+    "#54A24B",
+    "#E45756",
+    "#72B7B2",
+    "#B279A2",
+    "#FF9DA6",
+    "#9D755D",
+    "#EECA3B",
+    "#BAB0AC",
+)
+EXPOSED_COLOR = "#C0392B"
+THEORY_COLOR = "#222222"
+CAPACITY_COLOR = "#C0392B"
+FONT = "Inter, -apple-system, 'Segoe UI', Roboto, Helvetica, Arial, sans-serif"
+
+
+def color_for(index: int) -> str:
+    """The `index`-th colour of the qualitative palette (cycles)."""
+    return SERIES_COLORS[index % len(SERIES_COLORS)]
+
+
+# -- escaping and labels --------------------------------------------------------------------
+
+
+def text(value: object) -> str:
+    """A data string made safe and literal inside a Plotly label (see the module docstring)."""
+    return html.escape(str(value), quote=False)
+
+
+def phase_label(phase: str) -> str:
+    return PHASE_LABELS.get(phase, text(phase))
+
+
+def kind_label(kind: str) -> str:
+    return KIND_LABELS.get(kind, text(kind))
+
+
+def op_label(op: str) -> str:
+    return text(op.replace("_", "-"))
+
+
+# -- units --------------------------------------------------------------------------------
+
+GIB = 2**30
+GB = 1e9
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Bytes in binary units: 1.5 GiB, 300 MiB, 12 KiB."""
+    if n is None or not math.isfinite(n):
+        return "–"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+        value /= 1024
+    return f"{value:.3g} TiB"  # pragma: no cover
+
+
+def fmt_seconds(s: float | None) -> str:
+    """A duration: 850 µs, 12.3 ms, 1.25 s, 3.2 min."""
+    if s is None or not math.isfinite(s):
+        return "–"
+    if s < 1e-3:
+        return f"{s * 1e6:.3g} µs"
+    if s < 1:
+        return f"{s * 1e3:.3g} ms"
+    if s < 120:
+        return f"{s:.3g} s"
+    return f"{s / 60:.3g} min"
+
+
+def fmt_rate(x: float | None, unit: str = "/s") -> str:
+    """A rate with a metric prefix: 1.23 k/s."""
+    if x is None or not math.isfinite(x):
+        return "–"
+    for prefix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def scaled(values: Iterable[float | None], factor: float) -> list[float | None]:
+    """Values divided by `factor`, None kept (a gap in the line)."""
+    return [None if v is None else v / factor for v in values]
+
+
+# -- layout ---------------------------------------------------------------------------------
+
+
+def base_layout(title: str, *, height: int = 360, **extra: object) -> dict[str, object]:
+    """The common layout: white background, light grid, legend on top, unified hover."""
+    layout: dict[str, object] = {
+        "template": "plotly_white",
+        "title": {"text": title, "x": 0.0, "xanchor": "left", "font": {"size": 15}},
+        "font": {"family": FONT, "size": 12, "color": "#2d3436"},
+        "height": height,
+        "margin": {"l": 64, "r": 24, "t": 56, "b": 48},
+        "legend": {
+            "orientation": "h",
+            "yanchor": "bottom",
+            "y": 1.0,
+            "x": 1.0,
+            "xanchor": "right",
+            "font": {"size": 11},
+        },
+        "hoverlabel": {"font": {"family": FONT}},
+        "paper_bgcolor": "rgba(0,0,0,0)",
+    }
+    layout.update(extra)
+    return layout
+
+
+def figure(title: str, *, height: int = 360, **layout: object) -> go.Figure:
+    """An empty figure with the zerowatch layout."""
+    return go.Figure(layout=base_layout(title, height=height, **layout))
+
+
+def note_figure(title: str, message: str, *, height: int = 200) -> go.Figure:
+    """A figure with no data and a centred message (shown where a run has nothing to plot)."""
+    fig = figure(title, height=height)
+    fig.add_annotation(
+        text=message,
+        showarrow=False,
+        x=0.5,
+        y=0.5,
+        xref="paper",
+        yref="paper",
+        font={"size": 13, "color": "#636e72"},
+    )
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return fig
+
+
+def finite(values: Sequence[float | None]) -> list[float]:
+    """The finite values of a sequence."""
+    return [v for v in values if v is not None and math.isfinite(v)]
+
+
+__all__ = [
+    "CAPACITY_COLOR",
+    "DIRECTION_COLORS",
+    "DIRECTION_LABELS",
+    "EXPOSED_COLOR",
+    "GB",
+    "GIB",
+    "KIND_COLORS",
+    "KIND_LABELS",
+    "OP_COLORS",
+    "PHASE_COLORS",
+    "PHASE_LABELS",
+    "SERIES_COLORS",
+    "STATUS_COLORS",
+    "THEORY_COLOR",
+    "base_layout",
+    "color_for",
+    "figure",
+    "finite",
+    "fmt_bytes",
+    "fmt_rate",
+    "fmt_seconds",
+    "kind_label",
+    "note_figure",
+    "op_label",
+    "phase_label",
+    "scaled",
+    "text",
+]

@@ -1,0 +1,101 @@
+/* zerowatch pages: draw the figures the server embedded, keep live runs up to date, and the
+ * "compare selected" action. Data reaches the DOM only through textContent and Plotly. */
+(function () {
+  "use strict";
+
+  function readJSON(id) {
+    var el = document.getElementById(id);
+    return el ? JSON.parse(el.textContent) : null;
+  }
+
+  var config = readJSON("zw-plot-config") || { responsive: true, displaylogo: false };
+
+  function draw(figures, react) {
+    Object.keys(figures).forEach(function (key) {
+      var div = document.getElementById("chart-" + key);
+      if (!div) return;
+      var fig = figures[key];
+      if (react) {
+        Plotly.react(div, fig.data, fig.layout, config);
+      } else {
+        Plotly.newPlot(div, fig.data, fig.layout, config);
+      }
+    });
+  }
+
+  function setText(id, value) {
+    var el = document.getElementById(id);
+    if (el && value !== undefined && value !== null) el.textContent = String(value);
+  }
+
+  function live(body) {
+    var url = body.getAttribute("data-live-url");
+    if (!url) return;
+    var lastStep = parseInt(body.getAttribute("data-last-step") || "-1", 10);
+    var status = body.getAttribute("data-status");
+    if (status !== "running" && status !== "stalled") return;
+    var badge = document.querySelector("#run-status .badge");
+    var dot = document.createElement("span");
+    dot.className = "live-dot";
+    dot.title = "live: updates every few seconds";
+    if (badge) badge.parentNode.appendChild(dot);
+    var timer = null;
+    function poll() {
+      fetch(url + "?since=" + lastStep, { headers: { Accept: "application/json" } })
+        .then(function (r) { return r.ok ? r.json() : null; })
+        .then(function (msg) {
+          if (!msg) return;
+          if (msg.figures && Object.keys(msg.figures).length) {
+            if (!document.getElementById("chart-" + Object.keys(msg.figures)[0])) {
+              window.location.reload();  // first steps of an empty run: the layout changes
+              return;
+            }
+            draw(msg.figures, true);
+          }
+          lastStep = msg.last_step;
+          var s = msg.summary || {};
+          Object.keys(s).forEach(function (k) { setText("stat-" + k, s[k]); });
+          if (badge && msg.status) {
+            badge.textContent = msg.status;
+            badge.className = "badge badge-" + msg.status;
+            if (msg.status_color) badge.style.setProperty("--badge", msg.status_color);
+          }
+          if (msg.status !== "running" && msg.status !== "stalled") {
+            clearInterval(timer);
+            dot.remove();
+          }
+        })
+        .catch(function () { /* the next poll retries */ });
+    }
+    timer = setInterval(poll, parseInt(body.getAttribute("data-poll-ms") || "3000", 10));
+  }
+
+  function compareSelection() {
+    var form = document.getElementById("compare-form");
+    if (!form) return;
+    var button = document.getElementById("compare-selected");
+    function selected() {
+      return Array.prototype.map.call(
+        form.querySelectorAll("input[name=runs]:checked"), function (c) { return c.value; });
+    }
+    form.addEventListener("change", function () {
+      var n = selected().length;
+      button.disabled = n < 1;
+      setText("compare-hint", n ? n + " selected" : "Select two or more runs.");
+    });
+    form.addEventListener("submit", function (e) {
+      e.preventDefault();
+      var ids = selected();
+      if (ids.length) {
+        window.location.href = "/compare?runs=" + ids.map(encodeURIComponent).join(",");
+      }
+    });
+  }
+
+  document.addEventListener("DOMContentLoaded", function () {
+    var figures = readJSON("zw-figures");
+    if (figures) draw(figures, false);
+    live(document.body);
+    compareSelection();
+  });
+})();

@@ -1,0 +1,108 @@
+"""The compare and planner pages' figure builders, as pure functions."""
+
+from __future__ import annotations
+
+import pytest
+from zerowatch.dashboards import compare, plan
+from zerowatch.dashboards.data import RunSummary
+
+from zerowatch import theory
+
+GIB = 2**30
+
+
+def summaries() -> list[RunSummary]:
+    out = []
+    for stage in (1, 2, 3):
+        ms = theory.model_state_bytes(10_000_000, 2, stage, precision="fp32").flat()
+        comm = theory.comm_bytes_per_step(10_000_000, 2, stage, precision="fp32")
+        out.append(
+            RunSummary(
+                run_id=f"r{stage}",
+                name="<script>alert(1)</script>",
+                zero_stage=stage,
+                world_size=2,
+                model_state=ms,
+                model_state_theory=ms,
+                comm_bytes=comm,
+                comm_bytes_theory=comm,
+                phases={"forward": 0.1, "backward": 0.2},
+                step_time_s=0.35,
+                samples_per_s=40.0 + stage,
+            )
+        )
+    return out
+
+
+def test_model_state_stacks_kinds_per_run_and_shows_memory_going_down_by_stage():
+    fig = compare.model_state(summaries())
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert [t.name for t in bars] == ["parameters", "gradients", "optimizer states"]
+    totals = [sum(t.y[i] for t in bars) for i in range(3)]
+    assert totals[0] > totals[1] > totals[2]
+    theory_marks = next(t for t in fig.data if t.type == "scatter")
+    assert list(theory_marks.y) == pytest.approx(totals)
+    assert fig.layout.barmode == "stack"
+    assert fig.layout.yaxis.title.text == "bytes per rank (GiB)"
+
+
+def test_comm_bytes_shows_communication_going_up_at_stage_3():
+    fig = compare.comm_bytes(summaries())
+    bars = [t for t in fig.data if t.type == "bar"]
+    totals = [sum((t.y[i] or 0) for t in bars) for i in range(3)]
+    assert totals[0] == pytest.approx(totals[1]) and totals[2] > totals[1]
+    assert fig.layout.yaxis.title.text == "bytes per step (GiB)"
+
+
+def test_run_labels_are_escaped_and_distinct_for_equal_names():
+    fig = compare.throughput(summaries())
+    xs = list(fig.data[0].x)
+    assert len(set(xs)) == 3
+    assert all("&lt;script&gt;" in x and "<script>" not in x for x in xs)
+    assert list(fig.data[0].y) == [41.0, 42.0, 43.0]
+    assert fig.layout.yaxis.title.text == "samples/s"
+
+
+def test_step_phases_stacks_mean_phase_times_in_ms():
+    fig = compare.step_phases(summaries())
+    fwd = next(t for t in fig.data if t.name == "forward")
+    assert list(fwd.y) == pytest.approx([100.0] * 3)
+    assert fig.layout.yaxis.title.text == "time per step (ms)"
+
+
+def test_tradeoff_has_one_point_per_run():
+    fig = compare.tradeoff(summaries())
+    assert len(fig.data) == 3 and all(len(t.x) == 1 for t in fig.data)
+    assert fig.layout.xaxis.title.text == "model-state bytes per rank (GiB)"
+
+
+def test_stage_plans_follow_the_zero_paper_for_7b_on_64_gpus():
+    # 7.5B parameters, N = 64, mixed precision: 120 GB at stage 0, 31.4 GB at stage 1,
+    # 16.6 GB at stage 2, 1.875 GB (printed 1.9) at stage 3 (ZeRO paper, Figure 1).
+    rows = {(r.stage, r.offload): r for r in plan.stage_plans(7_500_000_000, 64, 80e9)}
+    assert rows[(0, False)].device_total / 1e9 == pytest.approx(120, rel=0.01)
+    assert rows[(1, False)].device_total / 1e9 == pytest.approx(31.4, rel=0.01)
+    assert rows[(2, False)].device_total / 1e9 == pytest.approx(16.6, rel=0.01)
+    assert rows[(3, False)].device_total / 1e9 == pytest.approx(1.875)
+    assert not rows[(0, False)].fits and rows[(1, False)].fits
+    assert (0, True) not in rows
+
+
+def test_plan_memory_draws_the_gpu_memory_line_and_kinds_per_option():
+    rows = plan.stage_plans(7_000_000_000, 8, 80 * GIB)
+    fig = plan.memory(rows, 80 * GIB)
+    assert fig.layout.shapes[0].y0 == pytest.approx(80.0)
+    kinds = [t.name for t in fig.data if t.offsetgroup == "device"]
+    assert kinds == ["parameters", "gradients", "optimizer states", "fp32 master weights"]
+    assert "on the host (offloaded)" in [t.name for t in fig.data]
+    assert fig.data[0].x[0] == "ZeRO-0"
+    assert fig.layout.yaxis.title.text == "bytes per rank (GiB)"
+
+
+def test_plan_communication_converts_bytes_to_seconds_at_the_given_bandwidth():
+    rows = plan.stage_plans(1_000_000_000, 8, 80 * GIB, offloads=(False,))
+    fig = plan.communication(rows, bandwidth_bytes_per_s=100e9)
+    secs = next(t for t in fig.data if t.type == "scatter")
+    assert list(secs.y) == pytest.approx([r.traffic_bytes / 100e9 for r in rows])
+    assert fig.layout.yaxis.title.text == "bytes per step (GiB)"
+    assert fig.layout.yaxis2.title.text == "seconds per step"

@@ -1,0 +1,98 @@
+"""dashboards/grafana/zerowatch.json: valid, importable as is, and every PromQL expression
+names only metrics zerowatch exports (events.METRICS) and parses (promtool)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from zerowatch.events import METRICS
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "grafana" / "zerowatch.json"
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+METRIC_RE = re.compile(r"\bzerowatch_[a-z0-9_]+")
+
+
+def load() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def exprs(dash: dict) -> list[str]:
+    out = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    for var in dash["templating"]["list"]:
+        if var["type"] == "query":
+            out.append(var["definition"])
+    return out
+
+
+def test_dashboard_is_valid_json_with_unique_panel_ids_and_grid_positions():
+    dash = load()
+    assert dash["uid"] and dash["title"] and dash["schemaVersion"] >= 30
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in dash["panels"]:
+        assert {"x", "y", "w", "h"} <= set(p["gridPos"]), p["title"]
+        assert p["type"] == "row" or p["targets"], p["title"]
+
+
+def test_dashboard_has_a_datasource_input_and_every_panel_uses_it():
+    dash = load()
+    assert dash["__inputs"][0]["type"] == "datasource"
+    assert dash["__inputs"][0]["pluginId"] == "prometheus"
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    for p in dash["panels"]:
+        if p["type"] == "row":
+            continue
+        assert p["datasource"]["uid"] == "${datasource}", p["title"]
+        assert all(t["datasource"]["uid"] == "${datasource}" for t in p["targets"])
+
+
+def test_every_promql_references_existing_metric_names():
+    known = set(METRICS.values())
+    known |= {METRICS["collective_latency"] + s for s in HISTOGRAM_SUFFIXES}
+    used = {m for e in exprs(load()) for m in METRIC_RE.findall(e)}
+    assert used, "no metric found in the dashboard"
+    assert used <= known, f"unknown metrics: {sorted(used - known)}"
+
+
+def test_the_panels_cover_what_the_dashboard_promises():
+    text = " ".join(exprs(load()))
+    for name in ("step_time", "phase", "collective_busbw", "memory_peak", "grad_norm"):
+        assert METRICS[name] in text, name
+    assert "histogram_quantile(0.5," in text and "histogram_quantile(0.99," in text
+    assert METRICS["collective_latency"] + "_bucket" in text
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_every_promql_parses_with_promtool(tmp_path: Path):
+    # Grafana's variables replaced by what Grafana sends for "All" and a 1-minute interval.
+    def concrete(expr: str) -> str:
+        return (
+            expr.replace("$__rate_interval", "1m").replace("$project", ".*").replace("$run", ".*")
+        )
+
+    panel_exprs = [t["expr"] for p in load()["panels"] for t in p.get("targets", [])]
+    rules = {
+        "groups": [
+            {
+                "name": "grafana",
+                "rules": [
+                    {"record": f"zerowatch:grafana_panel_{i}", "expr": concrete(e)}
+                    for i, e in enumerate(panel_exprs)
+                ],
+            }
+        ]
+    }
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump(rules))
+    out = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"{len(panel_exprs)} rules found" in out.stdout

@@ -1,0 +1,159 @@
+"""The run page's figure builders, as pure functions: given data, the expected traces, axes
+and units."""
+
+from __future__ import annotations
+
+import pytest
+from zerowatch.dashboards import run
+from zerowatch.dashboards.data import RankGrid, Series, SizePoints, straggler
+
+STEPS = [0, 1, 2, 3]
+
+
+def s(values: list[float | None]) -> Series:
+    return Series(STEPS[: len(values)], values)
+
+
+def names(fig) -> list[str]:
+    return [t.name for t in fig.data]
+
+
+def test_step_breakdown_stacks_phases_in_ms_and_marks_exposed_comm():
+    fig = run.step_breakdown(
+        s([0.5, 0.5, 0.6, 0.5]),
+        {"backward": s([0.2] * 4), "forward": s([0.1] * 4), "grad_reduce": s([0.05] * 4)},
+        exposed_comm=s([0.04] * 4),
+    )
+    assert names(fig) == [
+        "forward",
+        "backward",
+        "gradient reduce",
+        "other (unattributed)",
+        "step time",
+        "exposed communication",
+    ]
+    stacked = [t for t in fig.data if t.stackgroup == "phases"]
+    assert [t.name for t in stacked][:3] == ["forward", "backward", "gradient reduce"]
+    assert list(stacked[0].y) == pytest.approx([100.0] * 4)  # seconds -> ms
+    # "other" fills the stack up to the step time: 0.5 - 0.35 = 0.15 s.
+    assert list(stacked[3].y) == pytest.approx([150.0, 150.0, 250.0, 150.0])
+    exposed = fig.data[-1]
+    assert exposed.line.dash == "dot" and list(exposed.y) == pytest.approx([40.0] * 4)
+    assert fig.layout.yaxis.title.text == "time per step (ms)"
+    assert fig.layout.xaxis.title.text == "step"
+
+
+def test_step_breakdown_has_no_other_band_when_phases_cover_the_step():
+    fig = run.step_breakdown(s([0.3, 0.3]), {"forward": s([0.1, 0.1]), "backward": s([0.25, 0.25])})
+    assert "other (unattributed)" not in names(fig)
+
+
+def test_collectives_plot_latency_ms_and_busbw_gbps_per_op():
+    fig = run.collectives(
+        {"all_gather": s([0.002, 0.004]), "reduce_scatter": s([0.001, 0.001])},
+        {"all_gather": s([2e9, 4e9]), "reduce_scatter": s([1e9, 1e9])},
+    )
+    by = {(t.name, t.yaxis): t for t in fig.data}
+    assert list(by[("all-gather", "y")].y) == pytest.approx([2.0, 4.0])
+    assert list(by[("all-gather", "y2")].y) == pytest.approx([2.0, 4.0])
+    assert fig.layout.yaxis.title.text == "latency (ms)"
+    assert fig.layout.yaxis2.title.text == "bus bandwidth (GB/s)"
+    assert fig.layout.xaxis2.title.text == "step"
+
+
+def test_bandwidth_vs_size_uses_a_log_size_axis_and_draws_the_ceiling():
+    fig = run.bandwidth_vs_size(
+        {"all_reduce": SizePoints(sizes=[1e6, 1e8], busbw=[1e9, 9e9], steps=[0, 1])},
+        ceiling_bytes_per_s=10e9,
+    )
+    (trace,) = fig.data
+    assert trace.mode == "markers" and list(trace.x) == [1e6, 1e8]
+    assert list(trace.y) == pytest.approx([1.0, 9.0])
+    assert fig.layout.xaxis.type == "log"
+    assert fig.layout.xaxis.title.text == "message size (bytes per call)"
+    assert fig.layout.yaxis.title.text == "bus bandwidth (GB/s)"
+    assert fig.layout.shapes[0].y0 == pytest.approx(10.0)
+    assert "measured ceiling" in fig.layout.annotations[0].text
+
+
+def test_memory_puts_peaks_measured_and_theory_in_one_chart():
+    gib = 2**30
+    fig = run.memory(
+        {
+            0: {"forward": 3 * gib, "backward": 4 * gib},
+            1: {"forward": 3 * gib, "backward": 5 * gib},
+        },
+        {0: {"params": gib, "host_optimizer_states": 8 * gib}, 1: {"params": gib}},
+        {"params": gib, "grads": gib, "host_optimizer_states": 8 * gib},
+        stage=3,
+        capacity_bytes=80 * gib,
+    )
+    assert names(fig) == [
+        "peak in forward",
+        "peak in backward",
+        "model states (measured)",
+        "ZeRO-3 theory: model states",
+    ]
+    assert list(fig.data[1].x) == ["rank 0", "rank 1"]
+    assert list(fig.data[1].y) == pytest.approx([4.0, 5.0])
+    # Host-offloaded state does not count against the device.
+    assert list(fig.data[2].y) == pytest.approx([1.0, 1.0])
+    assert list(fig.data[3].y) == pytest.approx([2.0, 2.0])
+    assert fig.layout.yaxis.title.text == "memory (GiB)"
+    assert fig.layout.shapes[0].y0 == pytest.approx(80.0)
+
+
+def test_offload_plots_each_direction_in_gbps():
+    fig = run.offload({"d2h": s([12e9, 12e9]), "h2d": s([10e9, 11e9])})
+    assert names(fig) == ["device → host", "host → device"]
+    assert list(fig.data[1].y) == pytest.approx([10.0, 11.0])
+    assert fig.layout.yaxis.title.text == "bandwidth (GB/s)"
+
+
+def test_training_marks_clipped_and_skipped_steps():
+    fig = run.training(
+        grad_norm=s([0.5, 2.0, 0.7, 3.0]),
+        loss=s([4, 3, 2, 1]),
+        lr=s([1e-4] * 4),
+        loss_scale=s([65536, 32768, 32768, 32768]),
+        clipped_steps=[1, 3],
+        skipped_steps=[1],
+    )
+    by = {t.name: t for t in fig.data}
+    assert list(by["clipped"].x) == [1, 3] and list(by["clipped"].y) == [2.0, 3.0]
+    assert list(by["skipped step"].x) == [1] and by["skipped step"].yaxis == "y4"
+    assert fig.layout.yaxis4.type == "log"
+    assert fig.layout.xaxis4.title.text == "step"
+
+
+def test_training_has_no_loss_scale_panel_without_loss_scaling():
+    fig = run.training(grad_norm=s([1.0]), loss=s([1.0]), lr=s([1e-4]))
+    assert {t.yaxis for t in fig.data} == {"y", "y2", "y3"}
+
+
+def test_rank_heatmap_names_the_straggler_in_its_title():
+    grid = RankGrid(
+        ranks=[0, 1, 2, 3], steps=[0, 10], z=[[0.5, 0.5], [0.5, 0.52], [0.65, 0.66], [0.49, 0.5]]
+    )
+    fig = run.rank_heatmap(grid)
+    assert "straggler: rank 2" in fig.layout.title.text
+    (heat,) = fig.data
+    assert heat.type == "heatmap" and list(heat.y) == ["rank 0", "rank 1", "rank 2", "rank 3"]
+    assert heat.z[2][0] == pytest.approx(650.0)  # ms
+    assert heat.colorbar.title.text == "ms"
+
+
+def test_straggler_is_none_when_ranks_are_even():
+    grid = RankGrid(ranks=[0, 1], steps=[0], z=[[0.50], [0.51]])
+    assert straggler(grid) is None
+    assert "no straggler" in run.rank_heatmap(grid).layout.title.text
+
+
+def test_series_rejects_mismatched_lengths():
+    with pytest.raises(ValueError, match="differ in length"):
+        Series([0, 1], [1.0])
+
+
+def test_data_strings_are_escaped_for_plotly_labels():
+    fig = run.bandwidth_vs_size({"<b>op</b>": SizePoints([1.0], [1.0])})
+    assert fig.data[0].name == "&lt;b&gt;op&lt;/b&gt;"
