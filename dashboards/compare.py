@@ -170,4 +170,33 @@ def tradeoff(runs: Sequence[RunSummary]) -> go.Figure:
     return fig
 
 
-__all__ = ["comm_bytes", "model_state", "step_phases", "throughput", "tradeoff"]
+#: Charts of the compare page in page order: (id, full width?).
+CHARTS = (
+    ("model_state", False),
+    ("comm", False),
+    ("phases", False),
+    ("throughput", False),
+    ("tradeoff", True),
+)
+
+
+def figures(runs: Sequence[RunSummary]) -> dict[str, go.Figure]:
+    """The compare page's charts by chart id, in page order."""
+    return {
+        "model_state": model_state(runs),
+        "comm": comm_bytes(runs),
+        "phases": step_phases(runs),
+        "throughput": throughput(runs),
+        "tradeoff": tradeoff(runs),
+    }
+
+
+__all__ = [
+    "CHARTS",
+    "comm_bytes",
+    "figures",
+    "model_state",
+    "step_phases",
+    "throughput",
+    "tradeoff",
+]

@@ -10,6 +10,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -124,4 +125,41 @@ class RunSummary:
         return f"{self.name} (stage {self.zero_stage})"
 
 
-__all__ = ["RankGrid", "RunSummary", "Series", "SizePoints", "Straggler", "straggler"]
+@dataclass
+class RunView:
+    """Everything the run page draws, for one run, at the sampled steps."""
+
+    run: dict[str, Any]
+    steps: list[int] = field(default_factory=list)
+    step_time: Series = field(default_factory=Series)
+    phases: dict[str, Series] = field(default_factory=dict)
+    exposed_comm: Series = field(default_factory=Series)
+    latency: dict[str, Series] = field(default_factory=dict)
+    busbw: dict[str, Series] = field(default_factory=dict)
+    sizes: dict[str, SizePoints] = field(default_factory=dict)
+    peaks: dict[int, dict[str, float]] = field(default_factory=dict)
+    model_state: dict[int, dict[str, float]] = field(default_factory=dict)
+    theory: dict[str, float] = field(default_factory=dict)
+    capacity_bytes: float | None = None
+    offload: dict[str, Series] = field(default_factory=dict)
+    grad_norm: Series = field(default_factory=Series)
+    loss: Series = field(default_factory=Series)
+    lr: Series = field(default_factory=Series)
+    loss_scale: Series = field(default_factory=Series)
+    clipped_steps: list[int] = field(default_factory=list)
+    skipped_steps: list[int] = field(default_factory=list)
+    heat: RankGrid = field(default_factory=RankGrid)
+    #: The newest step any rank stored (-1: none yet).
+    last_step: int = -1
+
+    @property
+    def peak_bytes(self) -> float | None:
+        return max((v for p in self.peaks.values() for v in p.values()), default=None)
+
+    @property
+    def exposed_share(self) -> float | None:
+        e, s = self.exposed_comm.last, self.step_time.last
+        return e / s if e is not None and s else None
+
+
+__all__ = ["RankGrid", "RunSummary", "RunView", "Series", "SizePoints", "Straggler", "straggler"]

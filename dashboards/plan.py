@@ -1,8 +1,9 @@
 """Figures of the capacity-planner page (`/plan`): which ZeRO stage fits a model on a machine.
 
-Input is one `StagePlan` per (stage, offload) option: per-rank model-state bytes on the device
-and the host, and the collective bytes per step, as zerowatch.theory computes them (the page
-gets them from zerowatch.plan, or `stage_plans` computes them here from the theory).
+Input is one `StagePlan` per (stage, offload) option: per-rank model-state and buffer bytes
+on the device, bytes on the host, and the collective bytes per step. The page fills them
+from zerowatch.plan (the same numbers as `zerowatch plan`); `stage_plans` computes the
+paper's table from zerowatch.theory alone.
 """
 
 from __future__ import annotations
@@ -20,69 +21,54 @@ from zerowatch.events import STATE_KINDS
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One option of the planner: a ZeRO stage with or without CPU offload."""
+    """One option of the planner: a ZeRO stage and what it offloads to the host."""
 
     stage: int
-    offload: bool
-    #: Per-rank bytes on the device, by kind (events.STATE_KINDS).
+    #: What lives on the host: "none", "optimizer" or "optimizer+params".
+    offload: str = "none"
+    #: Per-rank model-state bytes on the device, by kind (events.STATE_KINDS).
     device: dict[str, float] = field(default_factory=dict)
-    #: Per-rank bytes on the host (offloaded), by kind.
-    host: dict[str, float] = field(default_factory=dict)
+    #: Per-rank transient device buffers (reduce bucket, all-gather bucket, live parameters).
+    buffers: dict[str, float] = field(default_factory=dict)
+    #: Per-rank bytes on the host (offloaded state).
+    host_bytes: float = 0.0
     #: Collective bytes (nccl-tests size) per step per rank, all ops together.
     comm_bytes: float = 0.0
     #: Bytes one rank actually sends per step (size times the bus factor).
     traffic_bytes: float = 0.0
-    #: Whether the device bytes fit the device memory (with the headroom the planner uses).
+    #: Seconds those bytes take at the given bus bandwidth, if one was given.
+    comm_time_s: float | None = None
+    #: Whether everything the device holds fits its memory.
     fits: bool = True
 
     @property
     def label(self) -> str:
-        return f"ZeRO-{self.stage}" + (" + offload" if self.offload else "")
+        return f"ZeRO-{self.stage}" + (
+            "" if self.offload == "none" else f" + offload {self.offload}"
+        )
 
     @property
     def device_total(self) -> float:
-        return float(sum(self.device.values()))
+        return float(sum(self.device.values()) + sum(self.buffers.values()))
 
 
 def stage_plans(
-    num_params: int,
-    world_size: int,
-    gpu_memory_bytes: float,
-    *,
-    precision: str = "bf16",
-    offloads: Sequence[bool] = (False, True),
-    headroom: float = 0.8,
+    num_params: int, world_size: int, gpu_memory_bytes: float, *, precision: str = "bf16"
 ) -> list[StagePlan]:
-    """Per-rank model-state and communication for each stage (0-3) and offload option.
-
-    A stage "fits" when its device model states take at most `headroom` of the device memory
-    (activations and fragmentation need the rest). Offload applies to stages 1-3 only.
-    """
-    rows: list[StagePlan] = []
-    for offload in offloads:
-        for stage in (0, 1, 2, 3):
-            if offload and stage == 0:
-                continue
-            ms = theory.model_state_bytes(
-                num_params,
-                world_size,
-                stage,
-                precision=precision,
-                offload_optimizer=offload,
-                offload_param=offload and stage == 3,
+    """Model states and communication of stages 0-3 without offload, from zerowatch.theory
+    alone (no buffers): the paper's own table."""
+    rows = []
+    for stage in (0, 1, 2, 3):
+        ms = theory.model_state_bytes(num_params, world_size, stage, precision=precision)
+        sizes = theory.comm_bytes_per_step(num_params, world_size, stage, precision=precision)
+        rows.append(
+            StagePlan(
+                stage=stage, device={k: float(v) for k, v in ms.device.items()},
+                comm_bytes=float(sum(sizes.values())),
+                traffic_bytes=float(theory.comm_traffic_bytes(sizes, world_size)),
+                fits=ms.device_total <= gpu_memory_bytes,
             )
-            sizes = theory.comm_bytes_per_step(num_params, world_size, stage, precision=precision)
-            rows.append(
-                StagePlan(
-                    stage=stage,
-                    offload=offload,
-                    device=dict(ms.device),
-                    host=dict(ms.host),
-                    comm_bytes=float(sum(sizes.values())),
-                    traffic_bytes=float(theory.comm_traffic_bytes(sizes, world_size)),
-                    fits=ms.device_total <= headroom * gpu_memory_bytes,
-                )
-            )
+        )  # fmt: skip
     return rows
 
 
@@ -104,7 +90,14 @@ def memory(rows: Sequence[StagePlan], gpu_memory_bytes: float) -> go.Figure:
                     hovertemplate="%{y:.4~f} GiB on the device",
                 )
             )
-    host = [sum(r.host.values()) for r in rows]
+    buffers = [sum(r.buffers.values()) for r in rows]
+    if any(buffers):
+        fig.add_trace(
+            go.Bar(x=x, y=th.scaled(buffers, th.GIB), name="ZeRO buffers",
+                   marker={"color": "#BAB0AC", "pattern": {"shape": "/"}}, offsetgroup="device",
+                   hovertemplate="%{y:.4~f} GiB of buckets and live parameters")
+        )  # fmt: skip
+    host = [r.host_bytes for r in rows]
     if any(host):
         fig.add_trace(
             go.Bar(
@@ -159,4 +152,18 @@ def communication(
     return fig
 
 
-__all__ = ["StagePlan", "communication", "memory", "stage_plans"]
+#: Charts of the planner page in page order: (id, full width?).
+CHARTS = (("memory", False), ("comm", False))
+
+
+def figures(
+    rows: Sequence[StagePlan], gpu_memory_bytes: float, bandwidth_bytes_per_s: float | None
+) -> dict[str, go.Figure]:
+    """The planner page's charts by chart id."""
+    return {
+        "memory": memory(rows, gpu_memory_bytes),
+        "comm": communication(rows, bandwidth_bytes_per_s),
+    }
+
+
+__all__ = ["CHARTS", "StagePlan", "communication", "figures", "memory", "stage_plans"]

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 from zerowatch.dashboards import theme as th
-from zerowatch.dashboards.data import RankGrid, Series, SizePoints, straggler
+from zerowatch.dashboards.data import RankGrid, RunView, Series, SizePoints, straggler
 
 from zerowatch.events import PHASES
 
@@ -455,10 +455,68 @@ def rank_heatmap(grid: RankGrid, *, quantity: str = "step time") -> go.Figure:
     return fig
 
 
+#: Charts of the run page in page order: (id, full width?).
+CHARTS = (
+    ("breakdown", True),
+    ("collectives", False),
+    ("bandwidth", False),
+    ("memory", False),
+    ("offload", False),
+    ("training", False),
+    ("ranks", True),
+)
+
+
+def figures(view: RunView) -> dict[str, go.Figure]:
+    """The run page's charts that have data, by chart id (see CHARTS), in page order."""
+    out: dict[str, go.Figure] = {}
+    if view.step_time:
+        out["breakdown"] = step_breakdown(view.step_time, view.phases, view.exposed_comm)
+    if any(view.latency.values()) or any(view.busbw.values()):
+        out["collectives"] = collectives(view.latency, view.busbw)
+    if any(p.sizes for p in view.sizes.values()):
+        ceiling = view.run.get("engine_info", {}).get("busbw_ceiling_bytes_per_s")
+        out["bandwidth"] = bandwidth_vs_size(
+            view.sizes, float(ceiling) if isinstance(ceiling, (int, float)) else None
+        )
+    if view.peaks or view.model_state:
+        out["memory"] = memory(
+            view.peaks, view.model_state, view.theory,
+            stage=int(view.run.get("zero_stage", 0)), capacity_bytes=view.capacity_bytes,
+        )  # fmt: skip
+    if any(view.offload.values()):
+        out["offload"] = offload(view.offload)
+    if view.grad_norm or view.loss or view.lr:
+        out["training"] = training(
+            grad_norm=view.grad_norm, loss=view.loss, lr=view.lr,
+            loss_scale=view.loss_scale if view.loss_scale else None,
+            clipped_steps=view.clipped_steps, skipped_steps=view.skipped_steps,
+        )  # fmt: skip
+    if view.heat.ranks and view.heat.steps:
+        out["ranks"] = rank_heatmap(view.heat)
+    return out
+
+
+def missing_notes(view: RunView, drawn: dict[str, go.Figure]) -> list[str]:
+    """Why a chart is absent, for the charts a run has no data for."""
+    notes = {
+        "collectives": "No collectives recorded (a single rank communicates nothing).",
+        "memory": "No memory measurements recorded.",
+        "offload": "This run does not offload to the host (no host↔device copies).",
+        "training": "No gradient norm, loss or learning rate recorded.",
+    }
+    if not view.steps:
+        return []
+    return [text for key, text in notes.items() if key not in drawn]
+
+
 __all__ = [
+    "CHARTS",
     "bandwidth_vs_size",
     "collectives",
+    "figures",
     "memory",
+    "missing_notes",
     "offload",
     "rank_heatmap",
     "step_breakdown",

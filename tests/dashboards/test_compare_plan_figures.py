@@ -79,28 +79,32 @@ def test_tradeoff_has_one_point_per_run():
 def test_stage_plans_follow_the_zero_paper_for_7b_on_64_gpus():
     # 7.5B parameters, N = 64, mixed precision: 120 GB at stage 0, 31.4 GB at stage 1,
     # 16.6 GB at stage 2, 1.875 GB (printed 1.9) at stage 3 (ZeRO paper, Figure 1).
-    rows = {(r.stage, r.offload): r for r in plan.stage_plans(7_500_000_000, 64, 80e9)}
-    assert rows[(0, False)].device_total / 1e9 == pytest.approx(120, rel=0.01)
-    assert rows[(1, False)].device_total / 1e9 == pytest.approx(31.4, rel=0.01)
-    assert rows[(2, False)].device_total / 1e9 == pytest.approx(16.6, rel=0.01)
-    assert rows[(3, False)].device_total / 1e9 == pytest.approx(1.875)
-    assert not rows[(0, False)].fits and rows[(1, False)].fits
-    assert (0, True) not in rows
+    rows = plan.stage_plans(7_500_000_000, 64, 80e9)
+    assert [r.device_total / 1e9 for r in rows] == pytest.approx([120, 31.4, 16.6, 1.875], rel=0.01)
+    assert [r.fits for r in rows] == [False, True, True, True]
+    assert [r.label for r in rows] == ["ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
 
 
 def test_plan_memory_draws_the_gpu_memory_line_and_kinds_per_option():
-    rows = plan.stage_plans(7_000_000_000, 8, 80 * GIB)
+    rows = [
+        *plan.stage_plans(7_000_000_000, 8, 80 * GIB),
+        plan.StagePlan(stage=3, offload="optimizer+params", device={"grads": 2 * GIB},
+                       buffers={"live_params": GIB}, host_bytes=100 * GIB),
+    ]  # fmt: skip
     fig = plan.memory(rows, 80 * GIB)
     assert fig.layout.shapes[0].y0 == pytest.approx(80.0)
     kinds = [t.name for t in fig.data if t.offsetgroup == "device"]
-    assert kinds == ["parameters", "gradients", "optimizer states", "fp32 master weights"]
-    assert "on the host (offloaded)" in [t.name for t in fig.data]
+    assert kinds == ["parameters", "gradients", "optimizer states", "fp32 master weights",
+                     "ZeRO buffers"]  # fmt: skip
+    host = next(t for t in fig.data if t.name == "on the host (offloaded)")
+    assert list(host.y) == pytest.approx([0, 0, 0, 0, 100.0])
     assert fig.data[0].x[0] == "ZeRO-0"
+    assert fig.data[0].x[-1] == "ZeRO-3 + offload optimizer+params"
     assert fig.layout.yaxis.title.text == "bytes per rank (GiB)"
 
 
 def test_plan_communication_converts_bytes_to_seconds_at_the_given_bandwidth():
-    rows = plan.stage_plans(1_000_000_000, 8, 80 * GIB, offloads=(False,))
+    rows = plan.stage_plans(1_000_000_000, 8, 80 * GIB)
     fig = plan.communication(rows, bandwidth_bytes_per_s=100e9)
     secs = next(t for t in fig.data if t.type == "scatter")
     assert list(secs.y) == pytest.approx([r.traffic_bytes / 100e9 for r in rows])

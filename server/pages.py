@@ -1,0 +1,349 @@
+"""The HTML pages: runs, one run (live), compare, the capacity planner; and the files they
+load (plotly.js from the installed plotly package, the page script and style, the icon).
+
+Routes are thin: read plain data (server.queries, server.page_queries, zerowatch.plan), build
+figures (zerowatch.dashboards), render a template (dashboards.html, autoescaped). Pages take
+the same read token rule as the JSON API. A live run's page polls
+`/runs/{run_id}/figures.json?since=<last step>`, which answers with fresh figures only when
+new steps arrived, and the page hands them to Plotly.react (an update, not a redraw).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import plotly
+from fastapi import APIRouter, Depends, Query
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
+from starlette.concurrency import run_in_threadpool
+from zerowatch.dashboards import compare as compare_figs
+from zerowatch.dashboards import html
+from zerowatch.dashboards import plan as plan_figs
+from zerowatch.dashboards import run as run_figs
+from zerowatch.dashboards import theme as th
+from zerowatch.dashboards.data import RunView, straggler
+from zerowatch.server import page_queries, queries
+from zerowatch.server.deps import DbDep, SettingsDep, require_read
+
+from zerowatch import plan as planner
+
+STATIC = Path(__file__).parent / "static"
+PLOTLY_JS = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+STATUSES = ("running", "stalled", "finished", "failed")
+#: Most runs one compare page shows.
+MAX_COMPARE = 12
+#: Browsers may keep plotly.js (versioned by the installed package) for a day.
+CACHE = {"Cache-Control": "public, max-age=86400"}
+
+router = APIRouter(include_in_schema=False, dependencies=[Depends(require_read)])
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _ago(ts: float | None, now: float | None = None) -> str:
+    if not ts:
+        return "never"
+    secs = max((now or time.time()) - ts, 0.0)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if secs >= size:
+            return f"{secs / size:.0f} {unit} ago"
+    return f"{secs:.0f} s ago"
+
+
+def _offload(run: dict[str, Any]) -> str:
+    parts = [
+        name
+        for name, key in (("optimizer", "offload_optimizer"), ("params", "offload_param"))
+        if run.get(key) not in (None, "", "none")
+    ]
+    return " + ".join(parts) + " → cpu" if parts else "none"
+
+
+def _page(template: str, status_code: int = 200, **context: Any) -> HTMLResponse:
+    return HTMLResponse(html.render(template, **context), status_code=status_code)
+
+
+def _not_found(title: str, message: str) -> HTMLResponse:
+    return _page("error.html", 404, title=title, message=message, nav="")
+
+
+def _run_ids(raw: list[str]) -> list[str]:
+    """`?runs=a,b&runs=c` -> [a, b, c]: commas and repeats both work; order kept, no repeats."""
+    out: list[str] = []
+    for part in raw:
+        for rid in part.split(","):
+            rid = rid.strip()
+            if rid and rid not in out:
+                out.append(rid)
+    return out
+
+
+# -- static files -------------------------------------------------------------------------------
+
+
+@router.get("/static/plotly.min.js")
+def plotly_js() -> FileResponse:
+    """plotly.js from the installed plotly package: pages need no CDN."""
+    return FileResponse(PLOTLY_JS, media_type="text/javascript", headers=CACHE)
+
+
+@router.get("/static/zerowatch.js")
+def page_js() -> FileResponse:
+    return FileResponse(STATIC / "zerowatch.js", media_type="text/javascript")
+
+
+@router.get("/static/zerowatch.css")
+def page_css() -> FileResponse:
+    return FileResponse(STATIC / "zerowatch.css", media_type="text/css")
+
+
+@router.get("/favicon.ico")
+def favicon() -> FileResponse:
+    return FileResponse(STATIC / "favicon.ico", media_type="image/x-icon", headers=CACHE)
+
+
+# -- runs ---------------------------------------------------------------------------------------
+
+
+def _run_row(run: dict[str, Any], now: float) -> dict[str, Any]:
+    return {
+        **run,
+        "offload": _offload(run),
+        "last_seen": run.get("last_event_at") or run.get("created_at"),
+        "last_seen_ago": _ago(run.get("last_event_at") or run.get("created_at"), now),
+    }
+
+
+@router.get("/", response_class=HTMLResponse)
+def runs_page(
+    db: DbDep,
+    settings: SettingsDep,
+    project: Annotated[str | None, Query(max_length=200)] = None,
+    status: Annotated[str | None, Query(max_length=20)] = None,
+    tag: Annotated[str | None, Query(max_length=200)] = None,
+) -> HTMLResponse:
+    """The runs: a table with filters and "compare selected"."""
+    project, status, tag = project or None, status or None, tag or None
+    now = time.time()
+    runs = queries.list_runs(db=db, project=project, status=status if status in STATUSES else None,
+                             tag=tag, stalled_after_s=settings.stalled_after_s,
+                             recent_steps=settings.recent_steps, now=now)  # fmt: skip
+    if status and status not in STATUSES:
+        runs = []
+    every = runs if project is None else queries.list_runs(db=db, limit=1000, now=now)
+    projects = sorted({r["project"] for r in every} | ({project} if project else set()))
+    return _page(
+        "runs.html",
+        nav="runs",
+        runs=[_run_row(r, now) for r in runs],
+        projects=projects,
+        statuses=STATUSES,
+        filters={"project": project, "status": status, "tag": tag},
+    )
+
+
+# -- one run --------------------------------------------------------------------------------------
+
+
+def _summary(view: RunView) -> dict[str, str]:
+    run = view.run
+    found = straggler(view.heat)
+    share = view.exposed_share
+    return {
+        "steps": str(view.last_step + 1 if view.last_step >= 0 else 0),
+        "step-time": th.fmt_seconds(run.get("step_time_s")),
+        "samples": th.fmt_rate(run.get("samples_per_s"), ""),
+        "exposed": f"{share:.0%}" if share is not None and math.isfinite(share) else "–",
+        "peak": th.fmt_bytes(view.peak_bytes),
+        "straggler": f"rank {found.rank} ({found.excess:+.0%})" if found else "none",
+        "last-seen": _ago(run.get("last_event_at") or run.get("created_at")),
+    }
+
+
+def _view(db: Any, settings: Any, run_id: str) -> RunView | None:
+    return page_queries.run_view(db=db, run_id=run_id, stalled_after_s=settings.stalled_after_s,
+                                 recent_steps=settings.recent_steps)  # fmt: skip
+
+
+@router.get("/runs/{run_id}", response_class=HTMLResponse)
+async def run_page(run_id: str, db: DbDep, settings: SettingsDep) -> HTMLResponse:
+    """One run: step breakdown, collectives, memory, offload, training signals, ranks."""
+    view = await run_in_threadpool(_view, db, settings, run_id)
+    if view is None:
+        return _not_found("Run not found", f"No run with id {run_id!r} is stored here.")
+    figures = run_figs.figures(view)
+    summary = _summary(view)
+    run = view.run
+    return _page(
+        "run.html",
+        nav="runs",
+        run=run,
+        offload=_offload(run),
+        last_step=view.last_step,
+        live_url=f"/runs/{run_id}/figures.json",
+        summary={
+            "step_time_s": run.get("step_time_s"),
+            "samples_per_s": run.get("samples_per_s"),
+            "exposed_share": summary["exposed"],
+            "peak_bytes": view.peak_bytes,
+            "straggler": summary["straggler"],
+            "last_seen_ago": summary["last-seen"],
+        },
+        charts=[{"id": k, "wide": w} for k, w in run_figs.CHARTS if k in figures],
+        notes=run_figs.missing_notes(view, figures),
+        figures=html.figures_payload(figures),
+        config_json=json.dumps(run.get("config") or {}, indent=2, sort_keys=True, default=str),
+    )
+
+
+@router.get("/runs/{run_id}/figures.json")
+async def run_figures(
+    run_id: str,
+    db: DbDep,
+    settings: SettingsDep,
+    since: Annotated[int, Query(ge=-1, le=2**62)] = -1,
+) -> JSONResponse:
+    """A run's figures for a live page: new figures only when steps after `since` arrived."""
+    view = await run_in_threadpool(_view, db, settings, run_id)
+    if view is None:
+        return JSONResponse({"detail": f"run {run_id!r} not found"}, status_code=404)
+    status = view.run["status"]
+    changed = view.last_step > since
+    body = {
+        "run_id": run_id,
+        "status": status,
+        "status_color": th.STATUS_COLORS.get(status, "#636e72"),
+        "last_step": view.last_step,
+        "changed": changed,
+        "summary": _summary(view),
+        "figures": html.figures_payload(run_figs.figures(view)) if changed else {},
+    }
+    return JSONResponse(json.loads(html.script_json(body)))
+
+
+# -- compare ----------------------------------------------------------------------------------------
+
+
+def _summaries(db: Any, settings: Any, ids: list[str]) -> tuple[list[Any], list[str]]:
+    found, missing = [], []
+    for rid in ids:
+        got = page_queries.run_summary(db=db, run_id=rid, stalled_after_s=settings.stalled_after_s)
+        if got is None:
+            missing.append(rid)
+        else:
+            found.append(got)
+    return found, missing
+
+
+@router.get("/compare", response_class=HTMLResponse)
+async def compare_page(
+    db: DbDep,
+    settings: SettingsDep,
+    runs: Annotated[list[str] | None, Query(max_length=4000)] = None,
+) -> HTMLResponse:
+    """Runs side by side: model-state bytes, bytes communicated, phases, throughput."""
+    ids = _run_ids(runs or [])[:MAX_COMPARE]
+    found, missing = await run_in_threadpool(_summaries, db, settings, ids)
+    summaries = [s for _, s in found]
+    figures = compare_figs.figures(summaries) if summaries else {}
+    rows = [
+        {
+            **run,
+            "offload": _offload(run),
+            "model_state_bytes": sum(s.model_state.values()) or None,
+            "model_state_theory_bytes": sum(s.model_state_theory.values()) or None,
+            "comm_bytes": sum(s.comm_bytes.values()) or None,
+            "step_time_s": s.step_time_s,
+            "samples_per_s": s.samples_per_s,
+        }
+        for run, s in found
+    ]
+    return _page(
+        "compare.html",
+        nav="compare",
+        runs=rows,
+        missing=missing,
+        charts=[{"id": k, "wide": w} for k, w in compare_figs.CHARTS if k in figures],
+        figures=html.figures_payload(figures),
+    )
+
+
+# -- capacity planner ---------------------------------------------------------------------------------
+
+PLAN_DEFAULTS = {"params": "7B", "gpus": "8", "nodes": "1", "gpu_memory": "80GiB",
+                 "precision": "bf16", "offload": "both", "bandwidth": ""}  # fmt: skip
+_Short = Annotated[str | None, Query(max_length=64)]
+
+
+def _stage_plan(row: planner.PlanRow) -> plan_figs.StagePlan:
+    return plan_figs.StagePlan(
+        stage=row.stage, offload=row.offload,
+        device={k: float(v) for k, v in row.model_states.items()},
+        buffers={k: float(v) for k, v in row.buffers.items()},
+        host_bytes=float(row.host_bytes_per_rank), comm_bytes=float(sum(row.comm_sizes.values())),
+        traffic_bytes=float(row.comm_bytes), comm_time_s=row.comm_time_s, fits=row.fits,
+    )  # fmt: skip
+
+
+@router.get("/plan", response_class=HTMLResponse)
+def plan_page(
+    params: _Short = None,
+    gpus: _Short = None,
+    nodes: _Short = None,
+    gpu_memory: _Short = None,
+    precision: _Short = None,
+    offload: _Short = None,
+    bandwidth: _Short = None,
+) -> HTMLResponse:
+    """The capacity planner: per-rank memory and communication of every stage."""
+    given = {"params": params, "gpus": gpus, "nodes": nodes, "gpu_memory": gpu_memory,
+             "precision": precision, "offload": offload, "bandwidth": bandwidth}  # fmt: skip
+    form = {k: (v if v is not None else PLAN_DEFAULTS[k]).strip() for k, v in given.items()}
+    context: dict[str, Any] = {"nav": "plan", "form": form, "rows": [], "charts": [],
+                               "figures": {}, "error": None, "has_time": False,
+                               "headroom_pct": 0}  # fmt: skip
+    try:
+        for key in ("gpus", "nodes"):
+            if not form[key].isdigit():
+                raise planner.PlanError(f"{key}: expected a whole number, got {form[key]!r}")
+        memory = planner.parse_bytes(form["gpu_memory"], "gpu_memory")
+        rate = (
+            planner.parse_bandwidth(form["bandwidth"], "bandwidth") if form["bandwidth"] else None
+        )
+        result = planner.plan(
+            planner.parse_count(form["params"], "params"), gpus=int(form["gpus"]),
+            gpu_memory=memory, nodes=int(form["nodes"]), precision=form["precision"],
+            offload=form["offload"], bandwidth=rate,
+        )  # fmt: skip
+    except (planner.PlanError, ValueError, OverflowError) as e:
+        context["error"] = str(e)
+        return _page("plan.html", 422, **context)
+    rows = [_stage_plan(r) for r in result.rows]
+    figures = plan_figs.figures(rows, memory, rate)
+    context.update(
+        rows=[
+            {
+                "label": r.label,
+                "device_bytes": r.device_total,
+                "host_bytes": r.host_bytes or None,
+                "comm_bytes": r.traffic_bytes,
+                "comm_seconds": r.comm_time_s,
+                "fits": r.fits,
+            }
+            for r in rows
+        ],
+        has_time=rate is not None,
+        charts=[{"id": k, "wide": w} for k, w in plan_figs.CHARTS],
+        figures=html.figures_payload(figures),
+        recommended=_stage_plan(result.recommended).label if result.recommended else None,
+        min_gpus=result.min_gpus,
+    )
+    return _page("plan.html", **context)
+
+
+__all__ = ["router"]
