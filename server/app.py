@@ -1,0 +1,162 @@
+"""The FastAPI application: `create_app(settings)` and `serve(...)` for `zerowatch serve`.
+
+The app owns three things, kept on `app.state`: the `Settings`, the `Database` (opened and
+migrated when the app is created) and the `LiveCache` behind /metrics (warmed at start from
+the runs that are still live). Routes: the JSON API (api.py) under /api/v1, `/metrics`,
+`/healthz`, and the HTML pages (pages.py) when that module is installed.
+
+Errors are JSON `{"detail": ...}`: validation problems are 422 with the location of each bad
+field (`loc`) and a one-line `message`; anything unforeseen is logged and answered 500
+without internals (the schemathesis test holds that none is reachable).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from sqlalchemy.exc import OperationalError
+from starlette.concurrency import run_in_threadpool
+from zerowatch.server import api, queries
+from zerowatch.server.db import Database
+from zerowatch.server.live import LiveCache
+from zerowatch.server.metrics import exposition
+from zerowatch.server.settings import Settings, get_settings
+
+import zerowatch
+
+log = logging.getLogger("zerowatch.server")
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _message(errors: list[dict[str, Any]]) -> str:
+    parts = []
+    for e in errors[:5]:
+        loc = ".".join(str(x) for x in e.get("loc", ()))
+        parts.append(f"{loc}: {e.get('msg', 'invalid')}" if loc else str(e.get("msg", "invalid")))
+    return "; ".join(parts)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = []
+        for e in exc.errors():
+            e = {k: v for k, v in e.items() if k not in ("input", "url")}
+            errors.append(jsonable_encoder(e, custom_encoder={Exception: str}))
+        return JSONResponse({"detail": errors, "message": _message(errors)}, status_code=422)
+
+    @app.exception_handler(OperationalError)
+    async def _db_busy(_request: Request, exc: OperationalError) -> JSONResponse:
+        log.warning("database unavailable: %s", exc.orig)
+        return JSONResponse(
+            {"detail": "database unavailable, retry later"},
+            status_code=503,
+            headers={"Retry-After": "1"},
+        )
+
+
+def _warm_live_cache(db: Database, live: LiveCache, settings: Settings) -> None:
+    for run in queries.live_runs(db=db, since=time.time() - settings.finished_grace_s):
+        live.register(run)
+        for rank_state in queries.latest_steps(db=db, run_id=run["run_id"]):
+            live.apply(
+                run["run_id"],
+                [rank_state],
+                status=run["stored_status"],
+                last_event_at=run["last_event_at"],
+                ended_at=run["ended_at"],
+            )
+
+
+def _include_pages(app: FastAPI) -> None:
+    """Add the HTML pages when the dashboards' page module is installed."""
+    here = Path(__file__).parent
+    if not (here / "pages.py").exists():
+        return
+    from zerowatch.server import pages  # type: ignore[attr-defined,unused-ignore]
+
+    if hasattr(pages, "install"):
+        pages.install(app)
+    elif hasattr(pages, "router"):
+        app.include_router(pages.router)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the zerowatch server app: open (and migrate) the database, wire the routes.
+
+    Args:
+        settings: how the server behaves; default `get_settings()` (the environment).
+
+    Returns:
+        The FastAPI application (serve it with uvicorn).
+    """
+    settings = settings or get_settings()
+    db = Database.open(settings.db_url)
+    live = LiveCache()
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        try:
+            await run_in_threadpool(_warm_live_cache, db, live, settings)
+        except Exception:  # a cold cache only means /metrics fills in as events arrive
+            log.exception("could not warm the live cache")
+        yield
+        db.close()
+
+    app = FastAPI(
+        title="zerowatch",
+        version=zerowatch.__version__,
+        description="Observability for ZeRO-sharded training: runs, ingest, series, compare, trace.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.db = db
+    app.state.live = live
+    _install_error_handlers(app)
+    app.include_router(api.router)
+
+    @app.get("/healthz", tags=["health"])
+    def healthz() -> dict[str, Any]:
+        """Liveness: the process answers and its database too."""
+        try:
+            with db.read() as conn:
+                conn.exec_driver_sql("SELECT 1")
+        except Exception as e:
+            return JSONResponse({"status": "error", "database": str(e)[:200]}, status_code=503)  # type: ignore[return-value]
+        return {"status": "ok", "database": db.dialect, "version": zerowatch.__version__}
+
+    @app.get("/metrics", tags=["metrics"], response_class=Response)
+    def metrics() -> Response:
+        """Prometheus text exposition of the live runs."""
+        body = exposition(live, grace_s=settings.finished_grace_s)
+        return Response(body, media_type=PROMETHEUS_CONTENT_TYPE)
+
+    _include_pages(app)
+    return app
+
+
+def serve(
+    host: str = "127.0.0.1", port: int = 8321, db_url: str | None = None, token: str | None = None
+) -> None:
+    """Run the server with uvicorn (blocks). None for db_url/token: from the environment."""
+    import uvicorn
+
+    settings = Settings.from_env(db_url=db_url, token=token)
+    app = create_app(settings)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
+
+
+__all__ = ["create_app", "serve"]

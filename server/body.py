@@ -1,0 +1,150 @@
+"""Request bodies: size limit, gzip, and strict JSON, before FastAPI validates the schema.
+
+`BodyRoute` is the API router's route class. Its request object
+- refuses bodies over `Settings.max_batch_bytes` (413), counting as it reads and again
+  after decompressing, so neither a large upload nor a gzip bomb gets through;
+- decompresses `Content-Encoding: gzip` (400 naming the header when it is not gzip);
+- parses JSON strictly: NaN/Infinity, numbers that overflow a float or a 64-bit integer,
+  and strings that the database cannot store (NUL, lone surrogates) are 422s that say so,
+  instead of values that would fail later inside an INSERT.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import zlib
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import HTTPException, Request, Response
+from fastapi.routing import APIRoute
+
+INT64_MAX = 2**63 - 1
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+class BodyError(ValueError):
+    pass
+
+
+def _parse_int(text: str) -> int:
+    n = int(text)
+    if not -INT64_MAX - 1 <= n <= INT64_MAX:
+        raise BodyError(f"integer {text[:30]} does not fit in 64 bits")
+    return n
+
+
+def _parse_float(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise BodyError(f"number {text[:30]} is out of range")
+    return x
+
+
+def _parse_constant(name: str) -> Any:
+    raise BodyError(f"{name} is not allowed: numbers must be finite")
+
+
+def _check_strings(obj: Any) -> None:
+    json.dumps(obj, ensure_ascii=False).encode("utf-8")
+
+
+def loads_strict(raw: bytes) -> Any:
+    """Parse JSON that the store can hold as is; raise BodyError or json.JSONDecodeError."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BodyError(f"body is not UTF-8 (byte {e.start})") from None
+    if "\\u0000" in text:
+        raise BodyError("strings must not contain NUL characters (\\u0000)")
+    obj = json.loads(
+        text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant
+    )
+    if _SURROGATE.search(text):
+        try:
+            _check_strings(obj)
+        except UnicodeEncodeError:
+            raise BodyError("strings must not contain unpaired surrogates") from None
+    return obj
+
+
+def _error(loc: tuple[str | int, ...], msg: str, kind: str) -> HTTPException:
+    # An HTTPException (not RequestValidationError): FastAPI re-raises it from body parsing.
+    return HTTPException(422, [{"type": kind, "loc": list(loc), "msg": msg}])
+
+
+class BodyRequest(Request):
+    """A request whose body is size-limited, gunzipped and strictly parsed."""
+
+    def _limit(self) -> int:
+        settings = getattr(self.app.state, "settings", None)
+        return int(getattr(settings, "max_batch_bytes", 16 * 2**20))
+
+    async def body(self) -> bytes:
+        if not hasattr(self, "_body"):
+            limit = self._limit()
+            declared = self.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                raise HTTPException(
+                    413, f"request body of {declared} bytes exceeds max_batch_bytes ({limit})"
+                )
+            chunks, size = [], 0
+            async for chunk in self.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise HTTPException(413, f"request body exceeds max_batch_bytes ({limit})")
+                chunks.append(chunk)
+            raw = b"".join(chunks)
+            encoding = self.headers.get("content-encoding", "identity").strip().lower()
+            if encoding == "gzip" and raw:
+                raw = _gunzip(raw, limit)
+            elif encoding not in ("identity", "", "gzip"):
+                raise HTTPException(
+                    415, f"Content-Encoding {encoding!r} is not supported (use gzip)"
+                )
+            self._body = raw
+        return self._body
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            try:
+                self._json = loads_strict(body)
+            except BodyError as e:
+                raise _error(("body",), str(e), "value_error") from None
+        return self._json
+
+
+def _gunzip(raw: bytes, limit: int) -> bytes:
+    d = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    try:
+        out = d.decompress(raw, limit + 1)
+        if len(out) > limit or d.unconsumed_tail:
+            raise HTTPException(413, f"decompressed body exceeds max_batch_bytes ({limit})")
+        out += d.flush()
+        if len(out) > limit:
+            raise HTTPException(413, f"decompressed body exceeds max_batch_bytes ({limit})")
+    except zlib.error as e:
+        raise HTTPException(
+            400, f"Content-Encoding: gzip, but the body is not valid gzip ({e})"
+        ) from None
+    if not d.eof:
+        raise HTTPException(400, "Content-Encoding: gzip, but the gzip stream is truncated")
+    return out
+
+
+class BodyRoute(APIRoute):
+    """APIRoute whose handlers see a BodyRequest."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route_handler(request: Request) -> Response:
+            return await handler(BodyRequest(request.scope, request.receive))
+
+        return route_handler
+
+
+__all__ = ["BodyRequest", "BodyRoute", "loads_strict"]

@@ -1,0 +1,106 @@
+"""The database handle: a SQLAlchemy engine set up per dialect, and migrations at start.
+
+SQLite is the zero-setup default: WAL journal (readers never wait for the writer),
+`synchronous=NORMAL` (durable at checkpoints, fast commits), a busy timeout, and one
+in-process write lock so that this server's own writers queue in Python instead of
+spinning on SQLITE_BUSY. PostgreSQL (`postgresql+psycopg://`) gets a connection pool and
+needs no lock: its row locks serialize what must be serialized.
+
+Migrations are Alembic revisions under migrations/versions/, applied programmatically
+(no alembic.ini, no env.py): `Database.open()` upgrades the schema to head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from alembic.config import Config
+from alembic.runtime.environment import EnvironmentContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import StaticPool
+from zerowatch.server.models import Base
+
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+
+
+def make_engine(url: str) -> Engine:
+    """A SQLAlchemy engine for `url`, tuned for its dialect (see the module docstring)."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": 30}}
+        if parsed.database in (None, "", ":memory:"):
+            kwargs["poolclass"] = StaticPool
+        engine = create_engine(url, **kwargs)
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.close()
+
+        return engine
+    return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+
+
+def migrate(engine: Engine) -> None:
+    """Upgrade the schema to the newest Alembic revision (no-op when already there)."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    script = ScriptDirectory.from_config(cfg)
+
+    def upgrade(rev: Any, _context: Any) -> Any:
+        return script._upgrade_revs("head", rev)
+
+    with (
+        EnvironmentContext(cfg, script, fn=upgrade, destination_rev="head") as env,
+        engine.begin() as conn,
+    ):
+        env.configure(connection=conn, target_metadata=Base.metadata)
+        with env.begin_transaction():
+            env.run_migrations()
+
+
+class Database:
+    """The engine plus what the server keeps about it: the dialect and the write lock."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.dialect = engine.dialect.name
+        self._write_lock: threading.Lock | None = (
+            threading.Lock() if self.dialect == "sqlite" else None
+        )
+
+    @classmethod
+    def open(cls, url: str, *, migrate_schema: bool = True) -> Database:
+        """Connect to `url` and bring its schema up to date."""
+        engine = make_engine(url)
+        if migrate_schema:
+            migrate(engine)
+        return cls(engine)
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[Connection]:
+        """One write transaction (committed on exit, rolled back on an exception)."""
+        lock = self._write_lock or contextlib.nullcontext()
+        with lock, self.engine.begin() as conn:
+            yield conn
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[Connection]:
+        """A connection for reads."""
+        with self.engine.connect() as conn:
+            yield conn
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+__all__ = ["Database", "make_engine", "migrate"]

@@ -1,0 +1,74 @@
+"""Dependencies shared by the routes: settings, database, live cache, and the token checks.
+
+The app keeps one `Settings`, one `Database` and one `LiveCache` on `app.state`; routes take
+them through the `Annotated` aliases below. Token rules: with `Settings.token` set, ingest and
+delete need `Authorization: Bearer <token>` (401 without it, 403 with another), and reads
+need it too when `read_requires_token` is set.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from zerowatch.server.db import Database
+from zerowatch.server.live import LiveCache
+from zerowatch.server.settings import Settings
+
+_bearer = HTTPBearer(auto_error=False, description="The server's token (ZEROWATCH_TOKEN).")
+
+
+def _settings(request: Request) -> Settings:
+    return request.app.state.settings  # type: ignore[no-any-return]
+
+
+def _db(request: Request) -> Database:
+    return request.app.state.db  # type: ignore[no-any-return]
+
+
+def _live(request: Request) -> LiveCache:
+    return request.app.state.live  # type: ignore[no-any-return]
+
+
+SettingsDep = Annotated[Settings, Depends(_settings)]
+DbDep = Annotated[Database, Depends(_db)]
+LiveDep = Annotated[LiveCache, Depends(_live)]
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+def check_token(settings: Settings, credentials: HTTPAuthorizationCredentials | None) -> None:
+    """Raise 401/403 unless the request carries the configured token (or none is set)."""
+    if settings.token is None:
+        return
+    if credentials is None or not credentials.credentials:
+        raise HTTPException(
+            401,
+            "this server needs a token: send Authorization: Bearer <token>",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    if not secrets.compare_digest(credentials.credentials.encode(), settings.token.encode()):
+        raise HTTPException(403, "wrong token")
+
+
+def require_write(settings: SettingsDep, credentials: Credentials) -> None:
+    """Ingest and delete: the token when one is configured."""
+    check_token(settings, credentials)
+
+
+def require_read(settings: SettingsDep, credentials: Credentials) -> None:
+    """Reads: the token only when `read_requires_token` is set."""
+    if settings.read_requires_token:
+        check_token(settings, credentials)
+
+
+__all__ = [
+    "Credentials",
+    "DbDep",
+    "LiveDep",
+    "SettingsDep",
+    "check_token",
+    "require_read",
+    "require_write",
+]

@@ -1,0 +1,105 @@
+"""Server settings: one frozen dataclass, read from the environment once.
+
+Every knob has a default that works on a laptop (a SQLite file in the working directory, no
+token, open reads). `Settings.from_env()` reads `ZEROWATCH_*` variables; `get_settings()`
+caches that so the app, `/metrics` and the pages agree on one object.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from functools import lru_cache
+from typing import Any
+
+DEFAULT_DB_URL = "sqlite:///./zerowatch.db"
+
+
+class SettingsError(ValueError):
+    """A setting has a value the server cannot use; the message names the setting."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """How one zerowatch server behaves."""
+
+    #: SQLAlchemy URL: `sqlite:///path.db` (WAL mode) or `postgresql+psycopg://user@host/db`.
+    db_url: str = DEFAULT_DB_URL
+    #: Bearer token required for ingest and delete; None = no token needed.
+    token: str | None = None
+    #: Whether reads (runs, series, compare, trace, pages) need the token too.
+    read_requires_token: bool = False
+    #: A running run with no event for this long reports status "stalled".
+    stalled_after_s: float = 120.0
+    #: Finished and failed runs stay in /metrics this long after their last event, so that
+    #: Prometheus sees the final values; then they drop out and cardinality stays bounded.
+    finished_grace_s: float = 300.0
+    #: Request bodies (after gzip decompression too) above this many bytes get 413.
+    max_batch_bytes: int = 16 * 2**20
+    #: Keep the raw spans of every n-th step among those the agent sampled (1 = all of them).
+    trace_sample_every: int = 1
+    #: Steps (per rank) that the "recent" step time and samples/s of a run are taken over.
+    recent_steps: int = 20
+    #: Most steps one trace export may cover.
+    max_trace_steps: int = 200
+
+    def __post_init__(self) -> None:
+        if not self.db_url:
+            raise SettingsError("db_url: must not be empty")
+        for name in ("stalled_after_s", "finished_grace_s"):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"{name}: must be > 0, got {getattr(self, name)}")
+        for name in ("max_batch_bytes", "trace_sample_every", "recent_steps", "max_trace_steps"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.token == "":
+            object.__setattr__(self, "token", None)
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
+        """Settings from `ZEROWATCH_<NAME>` variables (e.g. ZEROWATCH_DB_URL), then overrides.
+
+        Raises:
+            SettingsError: a variable does not parse as its setting's type.
+        """
+        env = dict(os.environ if env is None else env)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(f"ZEROWATCH_{f.name.upper()}")
+            if raw is None:
+                continue
+            values[f.name] = _parse(f.name, raw, cls.__dataclass_fields__[f.name].default)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def with_(self, **changes: Any) -> Settings:
+        """A copy with some settings changed."""
+        return replace(self, **changes)
+
+
+def _parse(name: str, raw: str, default: Any) -> Any:
+    try:
+        if isinstance(default, bool):
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(raw)
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float):
+            return float(raw)
+    except ValueError:
+        raise SettingsError(
+            f"ZEROWATCH_{name.upper()}: expected {type(default).__name__}, got {raw!r}"
+        ) from None
+    return raw
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process's settings, read from the environment on first use."""
+    return Settings.from_env()
+
+
+__all__ = ["DEFAULT_DB_URL", "Settings", "SettingsError", "get_settings"]

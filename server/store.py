@@ -1,0 +1,502 @@
+"""Writes: create a run, ingest a batch of events, delete a run.
+
+Ingest is one transaction per batch, so a batch is stored whole or not at all. Idempotency
+rests on the primary key (run, rank, seq) of `steps`: rows go in with
+`INSERT ... ON CONFLICT DO NOTHING RETURNING rank, seq` (both SQLite and PostgreSQL), and
+only the returned, newly stored steps get their collectives and spans written and count
+towards the per-rank counters. A replayed batch therefore changes nothing.
+
+Checks that a JSON schema cannot express (the run id in the body matches the URL, ranks lie
+inside the world size, a histogram has one count per bucket) raise `BatchError` naming the
+field, before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection, delete, func, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from zerowatch.server import models as m
+from zerowatch.server.db import Database
+
+from zerowatch import events as ev
+
+N_BUCKETS = len(ev.LATENCY_BUCKETS) + 1
+
+
+class BatchError(ValueError):
+    """A request body that validated against the schema but is still wrong.
+
+    `loc` is the path of the offending field, as in FastAPI's validation errors.
+    """
+
+    def __init__(self, loc: tuple[str | int, ...], msg: str) -> None:
+        super().__init__(f"{'.'.join(map(str, loc))}: {msg}")
+        self.loc = loc
+        self.msg = msg
+
+
+@dataclass
+class RunRef:
+    """What ingest needs to know about a run."""
+
+    pk: int
+    run_id: str
+    world_size: int
+    status: str
+
+
+@dataclass
+class IngestResult:
+    """The outcome of one batch."""
+
+    accepted: int = 0
+    duplicates: int = 0
+    #: The step events actually stored by this batch (for the live cache).
+    new_steps: list[ev.StepEvent] = field(default_factory=list)
+    #: The end events that changed a rank's state.
+    new_ends: list[ev.EndEvent] = field(default_factory=list)
+    #: The run's status after the batch ("running", "finished" or "failed").
+    status: str = "running"
+    last_event_at: float | None = None
+
+
+def _insert(conn: Connection, table: Any) -> Any:
+    return (pg_insert if conn.dialect.name == "postgresql" else sqlite_insert)(table)
+
+
+def _greatest(conn: Connection, a: Any, b: Any) -> Any:
+    if conn.dialect.name == "postgresql":
+        return func.greatest(a, b)
+    return func.max(a, b)
+
+
+def check_schema_version(version: int) -> None:
+    """Raise BatchError unless `version` is the one this server speaks."""
+    if version != ev.SCHEMA_VERSION:
+        raise BatchError(
+            ("body", "schema_version"),
+            f"unsupported schema_version {version}; this server speaks {ev.SCHEMA_VERSION}",
+        )
+
+
+# -- runs ---------------------------------------------------------------------------------
+
+MAX_RUN_ID_CHARS = 200
+MAX_WORLD_SIZE = 1_000_000
+
+
+def validate_run_id(run_id: str, loc: tuple[str | int, ...] = ("path", "run_id")) -> None:
+    """Raise BatchError unless `run_id` is 1-200 printable characters."""
+    if not run_id or len(run_id) > MAX_RUN_ID_CHARS:
+        raise BatchError(loc, f"must be 1 to {MAX_RUN_ID_CHARS} characters")
+    if not run_id.isprintable():
+        raise BatchError(loc, "must not contain control characters")
+
+
+def validate_run_create(run: ev.RunCreate) -> None:
+    """Checks beyond the schema for a new run; raise BatchError naming the field."""
+    check_schema_version(run.schema_version)
+    validate_run_id(run.run_id, ("body", "run_id"))
+    if not 1 <= run.world_size <= MAX_WORLD_SIZE:
+        raise BatchError(
+            ("body", "world_size"), f"must be 1 to {MAX_WORLD_SIZE}, got {run.world_size}"
+        )
+    if run.zero_stage not in (0, 1, 2, 3):
+        raise BatchError(("body", "zero_stage"), f"must be 0, 1, 2 or 3, got {run.zero_stage}")
+    if run.param_count < 0:
+        raise BatchError(("body", "param_count"), f"must be >= 0, got {run.param_count}")
+
+
+def create_run(db: Database, *, run: ev.RunCreate, now: float | None = None) -> tuple[int, bool]:
+    """Store `run` unless a run with its run_id exists.
+
+    Returns:
+        (the run's primary key, whether it was created by this call).
+    """
+    validate_run_create(run)
+    now = time.time() if now is None else now
+    values = {
+        "run_id": run.run_id,
+        "name": run.name,
+        "project": run.project,
+        "tags": list(run.tags),
+        "status": "running",
+        "zero_stage": run.zero_stage,
+        "offload_optimizer": run.offload_optimizer,
+        "offload_param": run.offload_param,
+        "precision": run.precision,
+        "world_size": run.world_size,
+        "engine": run.engine,
+        "engine_info": run.engine_info,
+        "config": run.config,
+        "param_count": run.param_count,
+        "hosts": list(run.hosts),
+        "torch_version": run.torch_version,
+        "zerowatch_version": run.zerowatch_version,
+        "theory": run.theory,
+        "theory_comm": run.theory_comm,
+        "started_at": run.started_at or now,
+        "created_at": now,
+        "last_event_at": None,
+        "ended_at": None,
+    }
+    with db.write() as conn:
+        stmt = (
+            _insert(conn, m.runs)
+            .values(**values)
+            .on_conflict_do_nothing(index_elements=["run_id"])
+            .returning(m.runs.c.id)
+        )
+        pk = conn.execute(stmt).scalar()
+        if pk is None:
+            existing = conn.execute(select(m.runs.c.id).where(m.runs.c.run_id == run.run_id))
+            return int(existing.scalar_one()), False
+        tags = sorted(set(run.tags))
+        if tags:
+            conn.execute(m.run_tags.insert(), [{"run": pk, "tag": t} for t in tags])
+        return int(pk), True
+
+
+def run_ref(conn: Connection, *, run_id: str) -> RunRef | None:
+    """The run's key, world size and stored status, or None if unknown."""
+    row = conn.execute(
+        select(m.runs.c.id, m.runs.c.world_size, m.runs.c.status).where(m.runs.c.run_id == run_id)
+    ).first()
+    if row is None:
+        return None
+    return RunRef(pk=row.id, run_id=run_id, world_size=row.world_size, status=row.status)
+
+
+def delete_run(db: Database, *, run_id: str) -> bool:
+    """Delete a run and everything stored for it. Returns False if it did not exist."""
+    with db.write() as conn:
+        ref = run_ref(conn, run_id=run_id)
+        if ref is None:
+            return False
+        for table in (m.spans, m.collectives, m.steps, m.rank_states, m.run_tags):
+            conn.execute(delete(table).where(table.c.run == ref.pk))
+        conn.execute(delete(m.runs).where(m.runs.c.id == ref.pk))
+        return True
+
+
+# -- ingest -------------------------------------------------------------------------------
+
+
+def validate_batch(batch: ev.EventBatch, *, run_id: str, world_size: int) -> None:
+    """Checks beyond the schema; raise BatchError naming the field."""
+    check_schema_version(batch.schema_version)
+    if batch.run_id != run_id:
+        raise BatchError(
+            ("body", "run_id"), f"batch is for run {batch.run_id!r} but was posted to {run_id!r}"
+        )
+    for i, e in enumerate(batch.events):
+        loc: tuple[str | int, ...] = ("body", "events", i)
+        if not 0 <= e.rank < world_size:
+            raise BatchError(
+                (*loc, "rank"), f"rank {e.rank} outside the run's world_size {world_size}"
+            )
+        if e.seq < 0:
+            raise BatchError((*loc, "seq"), f"must be >= 0, got {e.seq}")
+        if isinstance(e, ev.EndEvent):
+            if e.time != e.time or abs(e.time) == float("inf"):
+                raise BatchError((*loc, "time"), "must be a finite number")
+            continue
+        if e.step < 0:
+            raise BatchError((*loc, "step"), f"must be >= 0, got {e.step}")
+        for j, c in enumerate(e.collectives):
+            if len(c.buckets) != N_BUCKETS:
+                raise BatchError(
+                    (*loc, "collectives", j, "buckets"),
+                    f"expected {N_BUCKETS} counts (one per LATENCY_BUCKETS bucket, +Inf last), "
+                    f"got {len(c.buckets)}",
+                )
+            if c.count < 0 or c.bytes < 0 or any(b < 0 for b in c.buckets):
+                raise BatchError((*loc, "collectives", j), "count, bytes and buckets must be >= 0")
+
+
+def _step_row(pk: int, e: ev.StepEvent) -> dict[str, Any]:
+    return {
+        "run": pk,
+        "rank": e.rank,
+        "seq": e.seq,
+        "step": e.step,
+        "time": e.time,
+        "step_time_s": e.step_time_s,
+        "exposed_comm_s": e.exposed_comm_s,
+        "grad_norm": e.grad_norm,
+        "clipped": e.clipped,
+        "loss": e.loss,
+        "loss_scale": e.loss_scale,
+        "skipped": e.skipped,
+        "nonfinite": e.nonfinite,
+        "lr": e.lr,
+        "samples": e.samples,
+        "tokens": e.tokens,
+        "samples_per_s": e.samples_per_s,
+        "tokens_per_s": e.tokens_per_s,
+        "mfu": e.mfu,
+        "phases": e.phases,
+        "offload": {
+            o.direction: {
+                "bytes": o.bytes,
+                "seconds": o.seconds,
+                "bandwidth": o.bandwidth_bytes_per_s
+                or (o.bytes / o.seconds if o.seconds > 0 else 0.0),
+            }
+            for o in e.offload
+        },
+        "memory": dataclasses.asdict(e.memory) if e.memory is not None else {},
+        "scalars": e.scalars,
+    }
+
+
+def _collective_rows(pk: int, e: ev.StepEvent) -> Iterable[dict[str, Any]]:
+    merged: dict[tuple[str, str], ev.CollectiveStats] = {}
+    for c in e.collectives:
+        key = (c.op, c.purpose)
+        if key in merged:  # the same (op, purpose) twice in one step: add them up
+            p = merged[key]
+            merged[key] = dataclasses.replace(
+                p,
+                count=p.count + c.count,
+                bytes=p.bytes + c.bytes,
+                latency_sum_s=p.latency_sum_s + c.latency_sum_s,
+                latency_max_s=max(p.latency_max_s, c.latency_max_s),
+                buckets=[a + b for a, b in zip(p.buckets, c.buckets, strict=True)],
+                async_count=p.async_count + c.async_count,
+            )
+        else:
+            merged[key] = c
+    for (op, purpose), c in merged.items():
+        algbw = c.algbw_bytes_per_s or (c.bytes / c.latency_sum_s if c.latency_sum_s > 0 else 0.0)
+        busbw = c.busbw_bytes_per_s or algbw * ev.bus_bandwidth_factor(op, c.world_size)
+        yield {
+            "run": pk,
+            "rank": e.rank,
+            "seq": e.seq,
+            "op": op,
+            "purpose": purpose,
+            "step": e.step,
+            "count": c.count,
+            "bytes": c.bytes,
+            "latency_sum_s": c.latency_sum_s,
+            "latency_max_s": c.latency_max_s,
+            "buckets": list(c.buckets),
+            "world_size": c.world_size,
+            "algbw": algbw,
+            "busbw": busbw,
+            "async_count": c.async_count,
+        }
+
+
+def ingest_batch(
+    db: Database,
+    *,
+    run_id: str,
+    batch: ev.EventBatch,
+    trace_sample_every: int = 1,
+    now: float | None = None,
+) -> IngestResult | None:
+    """Store a batch of events for `run_id` in one transaction.
+
+    Args:
+        db: the database.
+        run_id: the run named by the URL.
+        batch: the validated request body.
+        trace_sample_every: keep spans of steps with `step % trace_sample_every == 0`.
+        now: the server's clock (event times are capped at it).
+
+    Returns:
+        What was stored, or None when the run does not exist.
+
+    Raises:
+        BatchError: the batch is inconsistent with the run (nothing is stored).
+    """
+    now = time.time() if now is None else now
+    result = IngestResult()
+    with db.write() as conn:
+        ref = run_ref(conn, run_id=run_id)
+        if ref is None:
+            return None
+        validate_batch(batch, run_id=run_id, world_size=ref.world_size)
+
+        # Dedupe inside the batch first (first occurrence wins), then against the table.
+        seen: set[tuple[int, int]] = set()
+        step_events: list[ev.StepEvent] = []
+        end_events: list[ev.EndEvent] = []
+        for e in batch.events:
+            key = (e.rank, e.seq)
+            if key in seen:
+                result.duplicates += 1
+                continue
+            seen.add(key)
+            (end_events if isinstance(e, ev.EndEvent) else step_events).append(e)  # type: ignore[arg-type]
+
+        if step_events:
+            stmt = (
+                _insert(conn, m.steps)
+                .on_conflict_do_nothing(index_elements=["run", "rank", "seq"])
+                .returning(m.steps.c.rank, m.steps.c.seq)
+            )
+            stored = {
+                (r.rank, r.seq)
+                for r in conn.execute(stmt, [_step_row(ref.pk, e) for e in step_events])
+            }
+            new = [e for e in step_events if (e.rank, e.seq) in stored]
+            result.duplicates += len(step_events) - len(new)
+            result.new_steps = new
+            _write_details(conn, ref.pk, new, trace_sample_every)
+            _bump_ranks(conn, ref.pk, new)
+
+        for e in end_events:
+            if _record_end(conn, ref.pk, e):
+                result.new_ends.append(e)
+            else:
+                result.duplicates += 1
+
+        result.accepted = len(result.new_steps) + len(result.new_ends)
+        result.status = ref.status
+        times = [e.time for e in result.new_steps] + [e.time for e in result.new_ends]
+        if times:
+            newest = min(max(times), now)
+            conn.execute(
+                update(m.runs)
+                .where(m.runs.c.id == ref.pk)
+                .values(
+                    last_event_at=_greatest(
+                        conn, func.coalesce(m.runs.c.last_event_at, newest), newest
+                    )
+                )
+            )
+            result.last_event_at = newest
+        if result.new_ends:
+            result.status = _settle_status(conn, ref, now=now)
+    return result
+
+
+def _write_details(
+    conn: Connection, pk: int, new: list[ev.StepEvent], trace_sample_every: int
+) -> None:
+    coll_rows = [row for e in new for row in _collective_rows(pk, e)]
+    if coll_rows:
+        conn.execute(
+            _insert(conn, m.collectives).on_conflict_do_nothing(
+                index_elements=["run", "rank", "seq", "op", "purpose"]
+            ),
+            coll_rows,
+        )
+    span_rows = [
+        {
+            "run": pk,
+            "rank": e.rank,
+            "seq": e.seq,
+            "step": e.step,
+            "spans": [dataclasses.asdict(s) for s in e.spans],
+        }
+        for e in new
+        if e.spans and e.step % trace_sample_every == 0
+    ]
+    if span_rows:
+        conn.execute(
+            _insert(conn, m.spans).on_conflict_do_nothing(index_elements=["run", "rank", "seq"]),
+            span_rows,
+        )
+
+
+def _bump_ranks(conn: Connection, pk: int, new: list[ev.StepEvent]) -> None:
+    per_rank: dict[int, list[float]] = {}
+    for e in new:
+        acc = per_rank.setdefault(e.rank, [0, -1, 0.0])
+        acc[0] += 1
+        acc[1] = max(acc[1], e.step)
+        acc[2] = max(acc[2], e.time)
+    if not per_rank:
+        return
+    rows = [
+        {
+            "run": pk,
+            "rank": rank,
+            "steps": int(n),
+            "last_step": int(last),
+            "last_time": t,
+            "dropped_events": 0,
+            "agent_errors": 0,
+        }
+        for rank, (n, last, t) in sorted(per_rank.items())
+    ]
+    rs = m.rank_states
+    stmt = _insert(conn, rs)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["run", "rank"],
+        set_={
+            "steps": rs.c.steps + stmt.excluded.steps,
+            "last_step": _greatest(
+                conn, func.coalesce(rs.c.last_step, -1), stmt.excluded.last_step
+            ),
+            "last_time": _greatest(
+                conn, func.coalesce(rs.c.last_time, 0.0), stmt.excluded.last_time
+            ),
+        },
+    )
+    conn.execute(stmt, rows)
+
+
+def _record_end(conn: Connection, pk: int, e: ev.EndEvent) -> bool:
+    """Store a rank's end; False when this exact end event is already stored."""
+    rs = m.rank_states
+    current = conn.execute(select(rs.c.end_seq).where(rs.c.run == pk, rs.c.rank == e.rank)).first()
+    if current is not None and current.end_seq == e.seq:
+        return False
+    values = {
+        "end_status": e.status,
+        "end_seq": e.seq,
+        "end_time": e.time,
+        "error": e.error,
+        "dropped_events": e.dropped_events,
+        "agent_errors": e.agent_errors,
+    }
+    if current is None:
+        conn.execute(rs.insert().values(run=pk, rank=e.rank, steps=0, **values))
+    else:
+        conn.execute(update(rs).where(rs.c.run == pk, rs.c.rank == e.rank).values(**values))
+    return True
+
+
+def _settle_status(conn: Connection, ref: RunRef, *, now: float) -> str:
+    """Once every rank has ended, the run is finished (or failed if any rank failed)."""
+    rs = m.rank_states
+    rows = conn.execute(
+        select(rs.c.end_status, rs.c.end_time).where(
+            rs.c.run == ref.pk, rs.c.end_status.is_not(None)
+        )
+    ).all()
+    if len(rows) < ref.world_size:
+        return ref.status
+    status = "failed" if any(r.end_status == "failed" for r in rows) else "finished"
+    ended_at = min(max(r.end_time for r in rows), now)
+    conn.execute(
+        update(m.runs).where(m.runs.c.id == ref.pk).values(status=status, ended_at=ended_at)
+    )
+    return status
+
+
+__all__ = [
+    "BatchError",
+    "IngestResult",
+    "RunRef",
+    "check_schema_version",
+    "create_run",
+    "delete_run",
+    "ingest_batch",
+    "run_ref",
+    "validate_batch",
+    "validate_run_create",
+    "validate_run_id",
+]
