@@ -17,14 +17,30 @@ from zerowatch.dashboards.data import RunSummary
 
 from zerowatch.events import COLLECTIVE_OPS, PHASES, STATE_KINDS
 
+#: Legend to the right of the plot: compare charts have long category labels below.
+_LEGEND_RIGHT = {"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top",
+                 "font": {"size": 11}}  # fmt: skip
+_MARGIN = {"l": 64, "r": 170, "t": 56, "b": 64}
+_NAME_CHARS = 32
+
 
 def _labels(runs: Sequence[RunSummary]) -> list[str]:
-    # Two runs may share a name: suffix the id's head so bars do not merge.
-    names = [th.text(r.label) for r in runs]
-    return [
-        f"{n} · {th.text(r.run_id[:6])}" if names.count(n) > 1 else n
-        for n, r in zip(names, runs, strict=True)
+    """Category labels: the run's name (shortened) over its stage; two runs of one name get
+    their id's head too, so that their bars do not merge."""
+    short = [
+        r.name if len(r.name) <= _NAME_CHARS else r.name[: _NAME_CHARS - 1] + "…" for r in runs
     ]
+    out = []
+    for name, r in zip(short, runs, strict=True):
+        label = th.text(name)
+        if short.count(name) > 1 and sum(1 for o in runs if o.label == r.label) > 1:
+            label += f" · {th.text(r.run_id[:6])}"
+        out.append(f"{label}<br>stage {r.zero_stage}")
+    return out
+
+
+def _figure(title: str) -> go.Figure:
+    return th.figure(title, height=400, legend=_LEGEND_RIGHT, margin=_MARGIN)
 
 
 def _kinds(dicts: Sequence[dict[str, float]], known: Sequence[str]) -> list[str]:
@@ -36,7 +52,7 @@ def _kinds(dicts: Sequence[dict[str, float]], known: Sequence[str]) -> list[str]
 def model_state(runs: Sequence[RunSummary]) -> go.Figure:
     """Per-rank model-state bytes of each run, stacked by kind (host-offloaded kinds hatched),
     with the ZeRO theory's total as a diamond."""
-    fig = th.figure("Model-state bytes per rank", height=380)
+    fig = _figure("Model-state bytes per rank")
     x = _labels(runs)
     device_kinds = [k for k in STATE_KINDS] + [f"host_{k}" for k in STATE_KINDS]
     for kind in _kinds([r.model_state for r in runs], device_kinds):
@@ -72,7 +88,7 @@ def model_state(runs: Sequence[RunSummary]) -> go.Figure:
 
 def comm_bytes(runs: Sequence[RunSummary]) -> go.Figure:
     """Collective bytes (nccl-tests size) per step per rank, stacked by op, theory as a diamond."""
-    fig = th.figure("Bytes communicated per step", height=380)
+    fig = _figure("Bytes communicated per step")
     x = _labels(runs)
     for op in _kinds([r.comm_bytes for r in runs], COLLECTIVE_OPS):
         fig.add_trace(
@@ -102,7 +118,7 @@ def comm_bytes(runs: Sequence[RunSummary]) -> go.Figure:
 
 def step_phases(runs: Sequence[RunSummary]) -> go.Figure:
     """Mean time per step in each phase, stacked, with the mean step time as a marker."""
-    fig = th.figure("Step time by phase (mean)", height=380)
+    fig = _figure("Step time by phase (mean)")
     x = _labels(runs)
     for phase in _kinds([r.phases for r in runs], PHASES):
         fig.add_trace(
@@ -120,7 +136,12 @@ def step_phases(runs: Sequence[RunSummary]) -> go.Figure:
             y=th.scaled([r.step_time_s for r in runs], 1e-3),
             name="step time",
             mode="markers",
-            marker={"symbol": "line-ew-open", "size": 28, "line": {"width": 3, "color": "#2d3436"}},
+            marker={
+                "symbol": "line-ew-open",
+                "size": 28,
+                "color": "#2d3436",
+                "line": {"width": 3, "color": "#2d3436"},
+            },
             hovertemplate="step %{y:.3~f} ms",
         )
     )

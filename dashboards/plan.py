@@ -18,6 +18,8 @@ from zerowatch.dashboards import theme as th
 from zerowatch import theory
 from zerowatch.events import STATE_KINDS
 
+_LEGEND_RIGHT = {"orientation": "v", "x": 1.08, "xanchor": "left", "y": 1.0, "yanchor": "top"}
+
 
 @dataclass(frozen=True)
 class StagePlan:
@@ -75,7 +77,8 @@ def stage_plans(
 def memory(rows: Sequence[StagePlan], gpu_memory_bytes: float) -> go.Figure:
     """Per-rank device model-state bytes of each option, stacked by kind, against the
     device's memory; host (offloaded) bytes as a hatched bar beside it."""
-    fig = th.figure("Memory per rank by ZeRO stage", height=420)
+    fig = th.figure("Memory per rank by ZeRO stage", height=440, legend=_LEGEND_RIGHT,
+                    margin={"l": 64, "r": 200, "t": 56, "b": 90})  # fmt: skip
     x = [r.label for r in rows]
     for kind in STATE_KINDS:
         ys = [r.device.get(kind, 0) for r in rows]
@@ -124,7 +127,9 @@ def communication(
 ) -> go.Figure:
     """Collective bytes per step for each option; with a bus bandwidth, the seconds they take."""
     fig = make_subplots(specs=[[{"secondary_y": bandwidth_bytes_per_s is not None}]])
-    fig.update_layout(th.base_layout("Communication per step by ZeRO stage", height=420))
+    fig.update_layout(th.base_layout("Communication per step by ZeRO stage", height=440,
+                                     legend=_LEGEND_RIGHT,
+                                     margin={"l": 64, "r": 200, "t": 56, "b": 90}))  # fmt: skip
     x = [r.label for r in rows]
     fig.add_trace(
         go.Bar(
@@ -153,7 +158,7 @@ def communication(
 
 
 #: Charts of the planner page in page order: (id, full width?).
-CHARTS = (("memory", False), ("comm", False))
+CHARTS = (("memory", True), ("comm", True))
 
 
 def figures(

@@ -102,6 +102,7 @@ def step_breakdown(
         hovermode="x unified",
         xaxis=_STEP_AXIS,
         yaxis={"title": {"text": "time per step (ms)"}, "rangemode": "tozero"},
+        legend={"traceorder": "normal"},
     )
     return fig
 
@@ -120,7 +121,12 @@ def collectives(latency: Mapping[str, Series], busbw: Mapping[str, Series]) -> g
         vertical_spacing=0.1,
         subplot_titles=("latency per call", "bus bandwidth"),
     )
-    fig.update_layout(th.base_layout("Collectives over steps", height=460))
+    fig.update_layout(
+        th.base_layout(
+            "Collectives over steps", height=480, margin={"l": 64, "r": 24, "t": 90, "b": 48}
+        )
+    )
+    fig.update_layout(legend={"y": 1.1})
     ops = sorted(set(latency) | set(busbw))
     for op in ops:
         color = th.OP_COLORS.get(op)
@@ -227,7 +233,8 @@ def memory(
         stage: ZeRO stage, for the labels.
         capacity_bytes: device memory capacity, if known.
     """
-    fig = th.figure("Memory per rank: peaks vs ZeRO model states", height=400)
+    fig = th.figure("Memory per rank: peaks vs ZeRO model states", height=440,
+                    legend=th.LEGEND_BELOW, margin={"l": 64, "r": 24, "t": 56, "b": 110})  # fmt: skip
     ranks = sorted(set(peaks) | set(model_state))
     x = [f"rank {r}" for r in ranks]
     phases = [p for p in PHASES if any(p in peaks.get(r, {}) for r in ranks)]
@@ -274,7 +281,20 @@ def memory(
                 hovertemplate=f"%{{y:.4~f}} GiB<br>{detail}<extra>theory</extra>",
             )
         )
-    if capacity_bytes:
+    top = max(
+        [v for p in peaks.values() for v in p.values() if v]
+        + [
+            sum(v for k, v in ms.items() if not k.startswith("host_"))
+            for ms in model_state.values()
+        ]
+        + [theory_device],
+        default=0.0,
+    )
+    if capacity_bytes and top < 0.1 * capacity_bytes:
+        # A line at 80 GiB would flatten bars of a few hundred MiB: name the capacity instead.
+        fig.update_layout(title_text=f"{fig.layout.title.text} (device capacity "
+                                     f"{th.fmt_bytes(capacity_bytes)}, off the scale)")  # fmt: skip
+    elif capacity_bytes:
         fig.add_hline(
             y=capacity_bytes / th.GIB,
             line={"color": th.CAPACITY_COLOR, "dash": "dot"},
@@ -325,13 +345,14 @@ def training(
 ) -> go.Figure:
     """Optimizer signals over steps, one panel each: grad norm (clipped steps marked), loss,
     learning rate, and loss scale with skipped (overflow) steps marked when fp16 scales."""
-    panels = ["gradient norm (pre-clip)", "loss", "learning rate"]
+    panels = ["gradient norm, pre-clip (✕ clipped)", "loss", "learning rate"]
     if loss_scale or skipped_steps:
-        panels.append("loss scale")
+        panels.append("loss scale (▼ skipped step)")
     fig = make_subplots(
         rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.06, subplot_titles=panels
     )
     fig.update_layout(th.base_layout("Training signals", height=170 * len(panels) + 80))
+    fig.update_layout(showlegend=False)
     fig.add_trace(
         go.Scatter(
             x=list(grad_norm.steps),
@@ -411,7 +432,7 @@ def training(
                 row=4,
                 col=1,
             )
-        fig.update_yaxes(title_text="scale", type="log", row=4, col=1)
+        fig.update_yaxes(title_text="scale", type="log", dtick=1, row=4, col=1)
     fig.update_yaxes(title_text="norm", row=1, col=1)
     fig.update_yaxes(title_text="loss", row=2, col=1)
     fig.update_yaxes(title_text="lr", exponentformat="e", row=3, col=1)

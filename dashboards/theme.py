@@ -180,6 +180,13 @@ def base_layout(title: str, *, height: int = 360, **extra: object) -> dict[str, 
     return layout
 
 
+#: Legend below the plot, for charts whose legend would crowd their title.
+LEGEND_BELOW: dict[str, object] = {
+    "orientation": "h", "yanchor": "top", "y": -0.22, "x": 0.0, "xanchor": "left",
+    "font": {"size": 11},
+}  # fmt: skip
+
+
 def figure(title: str, *, height: int = 360, **layout: object) -> go.Figure:
     """An empty figure with the zerowatch layout."""
     return go.Figure(layout=base_layout(title, height=height, **layout))
@@ -216,6 +223,7 @@ __all__ = [
     "GIB",
     "KIND_COLORS",
     "KIND_LABELS",
+    "LEGEND_BELOW",
     "OP_COLORS",
     "PHASE_COLORS",
     "PHASE_LABELS",
