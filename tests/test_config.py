@@ -387,3 +387,87 @@ def test_a_file_that_is_not_json_is_a_config_error(tmp_path: Path) -> None:
     path.write_text('{"zero_optimization": {"stage": 2,}}')
     with pytest.raises(ConfigError, match=r"^config: .*ds.json is not valid JSON: .*line 1"):
         load_config(path)
+
+
+# ---- the key tables, and the migration guide generated from them ---------------------------
+
+from zerowatch import _config_keys as keys  # noqa: E402
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "migrating-from-deepspeed.md"
+
+
+def nested(path: str, value: Any) -> dict[str, Any]:
+    """{"a": {"b": value}} for "a.b"."""
+    out: Any = value
+    for part in reversed(path.split(".")):
+        out = {part: out}
+    return out
+
+
+def test_migration_guide_tables_are_the_parsers_tables() -> None:
+    text = DOC.read_text()
+    start, end = text.index("<!-- keys:start -->\n"), text.index("<!-- keys:end -->")
+    assert text[start + len("<!-- keys:start -->\n") : end] == keys.markdown_tables(), (
+        "regenerate the tables with `python -m zerowatch._config_keys`"
+    )
+
+
+def test_every_key_in_the_guide_is_known_to_the_parser() -> None:
+    import re
+
+    text = DOC.read_text()
+    tables = text[text.index("<!-- keys:start -->") :]
+    listed = set(re.findall(r"^\| `([a-z0-9_.]+)` \|", tables, flags=re.M))
+    known = set(keys.HONOURED) | set(keys.ALIASES) | set(keys.IGNORED) | set(keys.REFUSED)
+    assert listed == known
+
+
+@pytest.mark.parametrize("path", sorted(keys.REFUSED))
+def test_every_refused_key_turned_on_is_an_error_naming_it(path: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^{re_escape(path)}: not supported \("):
+        load_config(nested(path, True))
+
+
+@pytest.mark.parametrize("path", sorted(keys.IGNORED))
+def test_every_ignored_key_warns_naming_it(path: str) -> None:
+    raw = nested(path, True)
+    if path.startswith("optimizer."):
+        raw["optimizer"]["type"] = "AdamW"
+    with pytest.warns(ConfigWarning, match=rf"^{re_escape(path)}: ignored \("):
+        load_config(raw)
+
+
+@pytest.mark.parametrize("path", sorted(keys.ALIASES))
+def test_every_alias_lands_on_its_key(path: str) -> None:
+    value: Any = (
+        {"enabled": True}
+        if path == "bfloat16"
+        else 12345
+        if "size" in path or "param" in path or "distance" in path
+        else True
+    )
+    via_alias = load_config(nested(path, value))
+    direct = load_config(nested(keys.ALIASES[path], value))
+    assert via_alias == direct != load_config({})
+
+
+def re_escape(s: str) -> str:
+    import re
+
+    return re.escape(s)
+
+
+def test_scheduler_lrs_may_be_given_per_param_group() -> None:
+    cfg = load_config(
+        {
+            "scheduler": {
+                "type": "WarmupLR",
+                "params": {"warmup_min_lr": [0, 0.1], "warmup_max_lr": [1e-3, 2e-3]},
+            }
+        }
+    )
+    assert cfg.scheduler is not None and cfg.scheduler.params["warmup_max_lr"] == [1e-3, 2e-3]
+    with pytest.raises(
+        ConfigError, match=r"^scheduler.params.warmup_min_lr: expected a number >= 0 or a list"
+    ):
+        load_config({"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": [-1]}}})

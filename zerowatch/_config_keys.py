@@ -244,10 +244,11 @@ def markdown_tables() -> str:
     ]
     lines += [f"| `{k}` | {v} |" for k, v in IGNORED.items()]
     lines += ["", "### Refused (a `ConfigError`)", ""]
-    lines += ["| key | accepted only as | why |", "|---|---|---|"]
+    lines += ['Accepted silently only when "off": one of the values shown, or an object with']
+    lines += ['`"enabled": false`.', ""]
+    lines += ["| key | off | why |", "|---|---|---|"]
     for k, r in REFUSED.items():
-        off = ", ".join(_json(o) for o in r.off) + ', `{"enabled": false}`'
-        lines.append(f"| `{k}` | {off} | {r.reason} |")
+        lines.append(f"| `{k}` | {', '.join(_json(o) for o in r.off)} | {r.reason} |")
     return "\n".join(lines) + "\n"
 
 

@@ -351,7 +351,10 @@ def _read_scheduler(s: _Section, optimizer: OptimizerConfig | None) -> Scheduler
         elif isinstance(default, float):
             auto = 0.0 if k == "warmup_min_lr" else lr if k == "warmup_max_lr" else None
             why = "give the optimizer a numeric lr" if k == "warmup_max_lr" else ""
-            params[k] = p.number(k, default, min=0.0, auto=auto, why=why)
+            if k.endswith("_lr") and isinstance(p.get(k), list):  # one per param group
+                params[k] = _lr_list(p.key(k), p.get(k))
+            else:
+                params[k] = p.number(k, default, min=0.0, auto=auto, why=why)
         else:
             lo = -1 if k == "last_batch_iteration" else 1 if k == "total_num_steps" else 0
             params[k] = p.integer(k, default if isinstance(default, int) else 0, min=lo)
@@ -361,6 +364,12 @@ def _read_scheduler(s: _Section, optimizer: OptimizerConfig | None) -> Scheduler
             f"warmup_num_steps {params['warmup_num_steps']}"
         )
     return SchedulerConfig(type=match, params=params)
+
+
+def _lr_list(key: str, value: list[Any]) -> list[float]:
+    if not value or not all(_is_number(v) and v >= 0 for v in value):
+        raise ConfigError(f"{key}: expected a number >= 0 or a list of them, got {_show(value)}")
+    return [float(v) for v in value]
 
 
 _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
