@@ -471,3 +471,19 @@ def test_scheduler_lrs_may_be_given_per_param_group() -> None:
         ConfigError, match=r"^scheduler.params.warmup_min_lr: expected a number >= 0 or a list"
     ):
         load_config({"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": [-1]}}})
+
+
+def test_ignored_keys_that_are_off_do_not_warn() -> None:
+    raw = {
+        "tensorboard": {"enabled": False, "output_path": "x"},
+        "zero_force_ds_cpu_optimizer": False,
+        "comms_logger": None,
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(raw)
+
+
+def test_a_loaded_config_passes_through() -> None:
+    cfg = load_config({"zero_optimization": {"stage": 1}})
+    assert load_config(cfg) is cfg

@@ -183,7 +183,7 @@ def read_config_source(config: Mapping[str, Any] | str | os.PathLike[str]) -> di
 
 
 def load_config(
-    config: Mapping[str, Any] | str | os.PathLike[str],
+    config: ZeroWatchConfig | Mapping[str, Any] | str | os.PathLike[str],
     *,
     world_size: int = 1,
     hidden_size: int | None = None,
@@ -191,7 +191,8 @@ def load_config(
     """Read a DeepSpeed config (dict, or path to a JSON file) into a ZeroWatchConfig.
 
     Args:
-        config: the dict, or a path to a DeepSpeed JSON file.
+        config: the dict, or a path to a DeepSpeed JSON file (a ZeroWatchConfig is
+            returned as it is).
         world_size: data-parallel size, to resolve batch sizes from each other.
         hidden_size: the model's hidden size, to resolve "auto" bucket sizes and thresholds
             the way DeepSpeed's HF integration does.
@@ -202,6 +203,8 @@ def load_config(
     Raises:
         ConfigError: naming the key path of the first mistake.
     """
+    if isinstance(config, ZeroWatchConfig):
+        return config
     top = _Section(read_config_source(config), "")
     zero = _read_zero(top.section("zero_optimization"), hidden_size)
     fp16 = _read_fp16(top.section("fp16"))
@@ -438,7 +441,8 @@ class _Section:
             elif kind == "honoured":
                 self.raw[name] = value
             elif kind == "ignored":
-                _warn(f"{full}: ignored ({keys.IGNORED[full]})")
+                if not keys.is_off(value, (False, None)):  # no noise about what is off anyway
+                    _warn(f"{full}: ignored ({keys.IGNORED[full]})")
             elif kind == "refused":
                 refused = keys.REFUSED[full]
                 if not keys.is_off(value, refused.off):
