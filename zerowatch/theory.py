@@ -120,6 +120,10 @@ def model_state_bytes(
     params = p * (part_params if stage >= 3 else full)
     grads = p * (part_params if stage >= 3 else part if stage >= 2 else full)
     opt_elems = full if stage == 0 else part
+    if stage == 3 and persistent_params:
+        # Persistent parameters are updated whole on every rank (their gradients are
+        # all-reduced), so their optimizer state and master copy are whole too.
+        opt_elems = part_params
     optimizer_states = ADAM_STATE_BYTES * opt_elems
     master = MASTER_BYTES * opt_elems if mixed else 0
 
@@ -131,12 +135,13 @@ def model_state_bytes(
         # the device keeps its parameters and (stage 1: full, stage 2-3: sharded) gradients.
         host["optimizer_states"] = device["optimizer_states"]
         host["master_weights"] = MASTER_BYTES * opt_elems
-        host["grads"] = 4 * part
+        host["grads"] = 4 * opt_elems
         device["optimizer_states"] = 0
         device["master_weights"] = 0
     if offload_param and stage == 3:
-        host["params"] = device["params"]
-        device["params"] = 0
+        # Persistent parameters stay on the device (they are used whole every step).
+        device["params"] = p * persistent_params
+        host["params"] = params - device["params"]
     return ModelStateBytes(device=device, host=host)
 
 
@@ -155,7 +160,7 @@ def comm_bytes_per_step(
     gradients once per step and all-gathers the updated parameters. Stage 2 holds only a
     gradient shard, so it reduce-scatters after every micro-batch. Stage 3 also all-gathers
     the parameters before the forward and again before the backward of every micro-batch;
-    persistent (unsharded) parameters are all-reduced instead.
+    persistent (unsharded) parameters are all-reduced instead, once per step.
 
     With one rank nothing is communicated.
     """
@@ -173,7 +178,8 @@ def comm_bytes_per_step(
         sharded = num_params - persistent_params
         out = {"all_gather": 2 * ga * p * sharded, "reduce_scatter": ga * p * sharded}
         if persistent_params:
-            out["all_reduce"] = ga * p * persistent_params
+            # Whole on every rank: accumulated locally, all-reduced once per step.
+            out["all_reduce"] = p * persistent_params
         return out
     raise ValueError(f"stage: expected 0, 1, 2 or 3, got {stage!r}")
 

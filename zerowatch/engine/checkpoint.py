@@ -1,0 +1,126 @@
+"""Checkpoints: every rank saves its own part; consolidation gathers full fp32 weights.
+
+Layout of `save_checkpoint(dir, tag)` (tag defaults to `global_step<N>`):
+
+    dir/latest                      the last tag written
+    dir/<tag>/zero_rank<r>.pt       rank r: fp32 master parts, optimizer state, scheduler,
+                                    loss scaler, step counters, and the layout they assume
+    dir/<tag>/module_extra.pt       rank 0: buffers and frozen parameters
+
+Loading needs the same world size, stage and segment layout (a clear error otherwise); it
+restores the masters and then rebuilds the compute-dtype parameters from them, exactly as
+after an optimizer step, so a resumed run continues bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from zerowatch.engine.engine import ZeroEngine
+
+
+def _layout(engine: ZeroEngine) -> list[tuple[int, int, int]]:
+    return [(s.numel, s.shards, s.group) for s in engine.parts.segments]
+
+
+def _extra_state(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+    trained = {id(s.param) for seg in engine.parts.segments for s in seg.slots}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in engine.module.state_dict(keep_vars=True).items():
+        if id(t) not in trained:
+            out[name] = t.detach().cpu().clone()
+    return out
+
+
+def save(engine: ZeroEngine, save_dir: str | Path, tag: str | None = None) -> str:
+    tag = tag or f"global_step{engine.global_steps}"
+    path = Path(save_dir) / tag
+    path.mkdir(parents=True, exist_ok=True)
+    state: dict[str, Any] = {
+        "world_size": engine.world_size,
+        "zero_stage": engine.zero_stage,
+        "precision": engine.precision,
+        "layout": _layout(engine),
+        "masters": [m.param.detach().cpu().clone() for m in engine.masters.masters],
+        "optimizer": engine.optimizer.state_dict(),
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+        "scaler": engine.scaler.state_dict(),
+        "global_steps": engine.global_steps,
+        "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps,
+    }
+    torch.save(state, path / f"zero_rank{engine.rank}.pt")
+    if engine.rank == 0:
+        torch.save(_extra_state(engine), path / "module_extra.pt")
+        (Path(save_dir) / "latest").write_text(tag)
+    engine.comm.barrier()
+    return str(path)
+
+
+def load(engine: ZeroEngine, load_dir: str | Path, tag: str | None = None) -> str:
+    if tag is None:
+        latest = Path(load_dir) / "latest"
+        if not latest.exists():
+            raise FileNotFoundError(f"load_checkpoint: no tag given and no {latest}")
+        tag = latest.read_text().strip()
+    path = Path(load_dir) / tag
+    file = path / f"zero_rank{engine.rank}.pt"
+    if not file.exists():
+        raise FileNotFoundError(f"load_checkpoint: {file} does not exist (rank {engine.rank})")
+    state = torch.load(file, map_location="cpu", weights_only=False)
+    for key, mine in (("world_size", engine.world_size), ("zero_stage", engine.zero_stage)):
+        if state[key] != mine:
+            raise ValueError(f"load_checkpoint: {key} {state[key]} in {path}, engine has {mine}")
+    if state["layout"] != _layout(engine):
+        raise ValueError(f"load_checkpoint: {path} was saved for a different model or bucket "
+                         "layout")  # fmt: skip
+    with torch.no_grad():
+        for m, saved in zip(engine.masters.masters, state["masters"], strict=True):
+            m.param.copy_(saved)
+    engine.optimizer.load_state_dict(state["optimizer"])
+    if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    engine.scaler.load_state_dict(state["scaler"])
+    engine.global_steps = state["global_steps"]
+    engine.micro_steps = state["micro_steps"]
+    engine.skipped_steps = state["skipped_steps"]
+    engine.masters.copy_to_params()
+    for o in engine.parts.owners:
+        o.after_step()
+    extra = torch.load(path / "module_extra.pt", map_location="cpu", weights_only=False)
+    current = engine.module.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, t in extra.items():
+            if name in current:
+                current[name].copy_(t)
+    engine.comm.barrier()
+    return str(path)
+
+
+def consolidated_state_dict(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+    full: dict[int, torch.Tensor] = {}
+    for m in engine.masters.masters:
+        seg = m.seg
+        part = m.param.detach().to(engine.device, torch.float32)
+        if seg.sharded:
+            whole = torch.empty(seg.padded, dtype=torch.float32, device=engine.device)
+            engine.comm.all_gather(whole, part, purpose="other").wait()
+        else:
+            whole = part
+        for s in seg.slots:
+            full[id(s.param)] = whole.narrow(0, s.offset, s.numel).view(s.shape).cpu().clone()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in engine.module.state_dict(keep_vars=True).items():
+        if id(t) in full:
+            out[name] = full[id(t)]
+        else:
+            v = t.detach().cpu()
+            out[name] = v.float() if v.is_floating_point() else v.clone()
+    return out
+
+
+__all__ = ["consolidated_state_dict", "load", "save"]

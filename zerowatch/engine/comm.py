@@ -1,0 +1,256 @@
+"""The one module that calls torch.distributed collectives.
+
+Everything the engine sends between ranks goes through `Comm`: the ZeRO reducers and
+parameter owners never touch `torch.distributed` themselves. That gives one place to
+
+* tell observers (`hooks.ObserverRegistry`) about each collective as a `CollectiveRecord`
+  with its nccl-tests size (all-gather output, reduce-scatter input, all-reduce buffer), its
+  wall-clock start and end and, for asynchronous work, how long the training thread was
+  actually blocked in `wait()` (the *exposed* communication time);
+* time GPU collectives with CUDA events that are read later (never a synchronize per op);
+* make a one-rank job a no-op: with world size 1 nothing is sent and nothing is reported.
+
+Asynchronous work returns a `Handle`. Its completion time comes from the work's future
+callback where the backend has one (gloo and NCCL both do), so `end - start` is the real
+latency even when nobody waited for it; `exposed_s` is only the time spent in `wait()`.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zerowatch.engine.hooks import CollectiveRecord, ObserverRegistry
+
+#: Seconds a collective may wait for a peer before the job fails (a dead rank must make the
+#: others fail, not hang). Override with ZEROWATCH_COMM_TIMEOUT_S.
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+def comm_timeout() -> timedelta:
+    """The process-group timeout: ZEROWATCH_COMM_TIMEOUT_S, else 30 minutes."""
+    raw = os.environ.get("ZEROWATCH_COMM_TIMEOUT_S")
+    try:
+        seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError as e:
+        raise ValueError(f"ZEROWATCH_COMM_TIMEOUT_S: expected seconds, got {raw!r}") from e
+    return timedelta(seconds=seconds)
+
+
+def init_distributed() -> None:
+    """Join the torchrun job described by the environment, if there is one and it is not
+    joined yet: gloo on CPU, NCCL where CUDA is available. Without RANK/WORLD_SIZE (a plain
+    `python train.py`) this does nothing and the engine runs as a single rank."""
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=comm_timeout())
+
+
+def _is_cuda(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def _copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.data_ptr() != src.data_ptr() or dst.shape != src.shape:
+        dst.copy_(src.view_as(dst))
+
+
+class Handle:
+    """An in-flight collective. `wait()` blocks until it is done and counts the blocked
+    time as exposed; the record reaches observers when the work completes."""
+
+    def __init__(self, comm: Comm, work: Any, op: str, purpose: str, nbytes: int, start: float,
+                 cuda_start: Any = None) -> None:  # fmt: skip
+        self._comm = comm
+        self._work = work
+        self._op, self._purpose, self._nbytes, self._start = op, purpose, nbytes, start
+        self._cuda_start = cuda_start
+        self._end: float | None = None
+        self._exposed = 0.0
+        self._reported = False
+        self._waited = False
+        self._has_future = False
+        self._lock = threading.Lock()
+        if work is not None and cuda_start is None:
+            try:
+                fut = work.get_future()
+            except (RuntimeError, AttributeError):
+                fut = None
+            if fut is not None:
+                self._has_future = True
+                fut.add_done_callback(self._on_done)
+
+    def _on_done(self, _fut: Any) -> None:
+        # Runs on the backend's thread when the work completes.
+        self._end = time.perf_counter()
+        if self._waited:
+            self._report()
+
+    def wait(self) -> None:
+        """Block until the collective has completed (idempotent)."""
+        if self._waited:
+            return
+        t0 = time.perf_counter()
+        if self._work is not None:
+            self._work.wait()
+        t1 = time.perf_counter()
+        self._exposed = t1 - t0
+        cuda_events = None
+        if self._cuda_start is not None:
+            end_ev = torch.cuda.Event(enable_timing=True)
+            end_ev.record()
+            cuda_events = (self._cuda_start, end_ev)
+        if self._end is None and not self._has_future:
+            self._end = t1
+        self._waited = True
+        if self._end is not None or cuda_events is not None:
+            self._report(cuda_events)
+
+    def _report(self, cuda_events: Any = None) -> None:
+        with self._lock:  # the future callback and wait() may race to report
+            if self._reported:
+                return
+            self._reported = True
+        end = self._end if self._end is not None else time.perf_counter()
+        self._comm._emit(self._op, self._purpose, self._nbytes, self._start, end, True,
+                         self._exposed, cuda_events)  # fmt: skip
+
+
+class _Done(Handle):
+    """The handle of work that has already completed (synchronous calls, one rank)."""
+
+    def __init__(self) -> None:
+        self._waited = True
+
+    def wait(self) -> None:
+        return
+
+
+DONE: Handle = _Done()
+
+
+class Comm:
+    """Collectives on one process group, each reported to the observers.
+
+    Args:
+        observers: who hears about each collective.
+        group: the process group (None: the default group, or no group at all when
+            torch.distributed is not initialised, i.e. a single rank).
+    """
+
+    def __init__(self, observers: ObserverRegistry, group: Any = None) -> None:
+        self.observers = observers
+        self.group = group
+        self.enabled = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(group) if self.enabled else 0
+        self.world_size = dist.get_world_size(group) if self.enabled else 1
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def _emit(self, op: str, purpose: str, nbytes: int, start: float, end: float,
+              async_op: bool, exposed: float, cuda_events: Any) -> None:  # fmt: skip
+        if self.observers:
+            rec = CollectiveRecord(op=op, purpose=purpose, nbytes=nbytes,
+                                   world_size=self.world_size, start=start, end=end,
+                                   async_op=async_op, exposed_s=exposed,
+                                   cuda_events=cuda_events)  # fmt: skip
+            self.observers.call("on_collective", rec)
+
+    def _run(self, op: str, purpose: str, nbytes: int, async_op: bool, device_tensor: torch.Tensor,
+             launch: Callable[[bool], Any], local: Callable[[], Any] | None = None) -> Handle:  # fmt: skip
+        if self.world_size == 1:
+            if local is not None:  # one rank: the result is the input itself
+                local()
+            return DONE
+        cuda_start = None
+        if _is_cuda(device_tensor):
+            cuda_start = torch.cuda.Event(enable_timing=True)
+            cuda_start.record()
+        start = time.perf_counter()
+        if async_op:
+            work = launch(True)
+            return Handle(self, work, op, purpose, nbytes, start, cuda_start)
+        launch(False)
+        end = time.perf_counter()
+        cuda_events = None
+        if cuda_start is not None:
+            end_ev = torch.cuda.Event(enable_timing=True)
+            end_ev.record()
+            cuda_events = (cuda_start, end_ev)
+        self._emit(op, purpose, nbytes, start, end, False, end - start, cuda_events)
+        return DONE
+
+    # -- collectives -----------------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, *, purpose: str = "other",
+                   async_op: bool = False) -> Handle:  # fmt: skip
+        """Sum `tensor` across ranks, in place."""
+        nbytes = tensor.numel() * tensor.element_size()
+        return self._run("all_reduce", purpose, nbytes, async_op, tensor,
+                         lambda a: dist.all_reduce(tensor, group=self.group, async_op=a))  # fmt: skip
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *,
+                       purpose: str = "grad_reduce", async_op: bool = False) -> Handle:  # fmt: skip
+        """Sum `input` (N equal parts) across ranks; rank r receives part r in `output`.
+        `output` may be part r of `input` itself (in place)."""
+        nbytes = input.numel() * input.element_size()
+        return self._run("reduce_scatter", purpose, nbytes, async_op, input,
+                         lambda a: dist.reduce_scatter_tensor(output, input, group=self.group,
+                                                              async_op=a),
+                         lambda: _copy_unless_same(output, input))  # fmt: skip
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
+                   purpose: str = "param_fetch", async_op: bool = False) -> Handle:  # fmt: skip
+        """Concatenate every rank's `input` into `output` (rank order). `input` may be part
+        r of `output` itself (in place)."""
+        nbytes = output.numel() * output.element_size()
+        return self._run("all_gather", purpose, nbytes, async_op, output,
+                         lambda a: dist.all_gather_into_tensor(output, input, group=self.group,
+                                                               async_op=a),
+                         lambda: _copy_unless_same(output, input))  # fmt: skip
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, purpose: str = "other") -> None:
+        """Copy rank `src`'s `tensor` to every rank, in place."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self._run("broadcast", purpose, nbytes, False, tensor,
+                  lambda a: dist.broadcast(tensor, src=src, group=self.group))  # fmt: skip
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+    # -- objects ---------------------------------------------------------------------------
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank `src`'s picklable `obj`, on every rank."""
+        if self.world_size == 1:
+            return obj
+        box = [obj if self.rank == src else None]
+        self._run("broadcast", "other", len(pickle.dumps(obj)) if self.rank == src else 0,
+                  False, torch.empty(0),
+                  lambda a: dist.broadcast_object_list(box, src=src, group=self.group))  # fmt: skip
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable `obj`, in rank order, on every rank."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        self._run("all_gather", "other", len(pickle.dumps(obj)) * self.world_size, False,
+                  torch.empty(0),
+                  lambda a: dist.all_gather_object(out, obj, group=self.group))  # fmt: skip
+        return out
+
+
+__all__ = ["DONE", "Comm", "Handle", "comm_timeout", "init_distributed"]

@@ -1,0 +1,352 @@
+"""`ZeroEngine`: the training loop's view of the bundled ZeRO engine.
+
+    engine, optimizer, _, lr_scheduler = zerowatch.initialize(model=m, config=cfg)
+    for batch in data:
+        loss = engine(batch)          # forward
+        engine.backward(loss)         # gradients reduced (and sharded) as backward runs
+        engine.step()                 # optimizer step on the gradient-accumulation boundary
+
+The engine composes one stage from a parameter owner, a gradient reducer and the master
+weights (stages.py, optim.py); it moves nothing itself. Everything it communicates goes
+through `comm.Comm`, every phase boundary through `phases.Phases`, and observers attach
+with `add_observer` (see hooks.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from zerowatch import theory
+from zerowatch.config import ZeroWatchConfig
+from zerowatch.engine import checkpoint as _checkpoint
+from zerowatch.engine.comm import Comm
+from zerowatch.engine.hooks import ObserverRegistry
+from zerowatch.engine.optim import MasterWeights, StepStats, build_optimizer, state_tensors
+from zerowatch.engine.phases import Phases
+from zerowatch.engine.precision import DTYPES, make_scaler
+from zerowatch.engine.schedulers import build_scheduler
+from zerowatch.engine.stages import ParamList, compose
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def pick_device() -> torch.device:
+    """This rank's device: its CUDA device under NCCL, else the CPU."""
+    if torch.cuda.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_backend() == "nccl":  # fmt: skip
+        return torch.device("cuda", torch.cuda.current_device())
+    if torch.cuda.is_available() and not torch.distributed.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _param_groups(module: nn.Module, model_parameters: Any,
+                  optimizer: Any) -> tuple[ParamList, list[dict[str, Any]]]:  # fmt: skip
+    """Trainable parameters with their param-group index, and each group's options."""
+    names: dict[int, str] = {}
+    for name, p in module.named_parameters():
+        names.setdefault(id(p), name)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    raw: list[Any]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raw = [dict(g) for g in optimizer.param_groups]
+    elif model_parameters is not None:
+        raw = list(model_parameters)
+        if not raw or not isinstance(raw[0], dict):
+            raw = [{"params": raw}]
+    else:
+        raw = [{"params": trainable}]
+    group_of: dict[int, int] = {}
+    options: list[dict[str, Any]] = []
+    for gi, g in enumerate(raw):
+        options.append({k: v for k, v in g.items() if k != "params"})
+        for p in g["params"]:
+            if id(p) not in names:
+                raise ValueError(f"model_parameters: group {gi} holds a tensor that is not a "
+                                 "parameter of the model")  # fmt: skip
+            if p.requires_grad:
+                group_of.setdefault(id(p), gi)
+    missing = [names[id(p)] for p in trainable if id(p) not in group_of]
+    if missing:
+        raise ValueError(f"model_parameters: {missing[0]!r} requires grad but is in no "
+                         "param group (freeze it with requires_grad_(False))")  # fmt: skip
+    return [(names[id(p)], p, group_of[id(p)]) for p in trainable], options
+
+
+class ZeroEngine:
+    """A model trained with ZeRO stage 0-3; see the module docstring.
+
+    Args:
+        module: the model (moved to the device, cast to the compute dtype, parameters
+            replaced by views into the engine's buffers).
+        config: the resolved config.
+        model_parameters: parameters or param-group dicts to train (default: all that
+            require grad).
+        optimizer: an optimizer built on the model's parameters, or a callable taking param
+            groups; default: the `optimizer` config section.
+        lr_scheduler: a scheduler on that optimizer, or a callable taking the optimizer;
+            the `scheduler` config section wins when present.
+    """
+
+    def __init__(self, module: nn.Module, config: ZeroWatchConfig, *, model_parameters: Any = None,
+                 optimizer: Any = None, lr_scheduler: Any = None) -> None:  # fmt: skip
+        self.config = config
+        self.module = module
+        self._observers = ObserverRegistry()
+        self.comm = Comm(self._observers)
+        self.phases = Phases(self._observers)
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.device = pick_device()
+        zc = config.zero_optimization
+        self.zero_stage = int(zc.stage)
+        self.precision = config.precision
+        self.dtype = DTYPES[self.precision]
+        if zc.offload_param.device == "cpu" and self.zero_stage != 3:
+            raise ValueError("zero_optimization.offload_param: needs stage 3, "
+                             f"got stage {self.zero_stage}")  # fmt: skip
+        if zc.offload_optimizer.device == "cpu" and self.zero_stage == 0:
+            raise ValueError("zero_optimization.offload_optimizer: needs stage 1, 2 or 3")
+        self.gradient_accumulation_steps = max(int(config.gradient_accumulation_steps), 1)
+        self.micro_batch_size = int(
+            config.train_micro_batch_size_per_gpu
+            or (config.train_batch_size or 0) // (self.gradient_accumulation_steps * self.world_size)
+            or 1)  # fmt: skip
+
+        params, options = _param_groups(module, model_parameters, optimizer)
+        self.num_parameters = sum(p.numel() for _, p, _ in params)
+        module.to(device=self.device)
+        if self.dtype != torch.float32:
+            for t in [*module.parameters(), *module.buffers()]:
+                if t.is_floating_point():
+                    t.data = t.data.to(self.dtype)
+        self._broadcast_initial_state()
+
+        self.parts = compose(self.zero_stage, module, params, zc, self.comm, self.phases,
+                             device=self.device, dtype=self.dtype)  # fmt: skip
+        self.num_persistent_parameters = self.parts.persistent_numel
+        self.offload_optimizer = zc.offload_optimizer.device == "cpu"
+        self.offload_param = zc.offload_param.device == "cpu"
+        self.masters = MasterWeights(self.parts.segments, self.comm, self.phases,
+                                     precision=self.precision, offload=self.offload_optimizer,
+                                     params_on_host=self.parts.params_on_host,
+                                     device=self.device)  # fmt: skip
+        groups = [{"params": ps, **opts}
+                  for ps, opts in zip(self.masters.group_params(len(options)), options, strict=True)]  # fmt: skip
+        self.optimizer = build_optimizer(config.optimizer, optimizer, groups)
+        self.lr_scheduler: Any = None
+        if config.scheduler is not None:
+            self.lr_scheduler = build_scheduler(config.scheduler.type, self.optimizer,
+                                                dict(config.scheduler.params))  # fmt: skip
+        elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            self.lr_scheduler = lr_scheduler(self.optimizer)
+        else:
+            self.lr_scheduler = lr_scheduler
+        self.scaler = make_scaler(self.precision, config.fp16)
+
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.last_step: StepStats | None = None
+        self._step_open = False
+
+    # -- observers ---------------------------------------------------------------------------
+
+    def add_observer(self, observer: Any) -> None:
+        """Register an object with any of on_collective, on_phase_start, on_phase_end,
+        on_offload (see hooks.py)."""
+        self._observers.add(observer)
+
+    def remove_observer(self, observer: Any) -> None:
+        self._observers.remove(observer)
+
+    # -- training ----------------------------------------------------------------------------
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-batch is the last of its accumulation cycle."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def _cast_input(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            x = x.to(self.device)
+            if x.is_floating_point() and x.dtype != self.dtype:
+                x = x.to(self.dtype)
+        return x
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module (floating inputs cast to the compute dtype, moved to the device)."""
+        if not self._step_open and torch.is_grad_enabled() and self.module.training:
+            self._step_open = True
+            self.phases.start("step")
+        args, kwargs = tree_map(self._cast_input, (args, kwargs))
+        with self.phases.phase("forward"):
+            for o in self.parts.owners:
+                o.begin_pass("forward")
+            out = self.module(*args, **kwargs)
+            for o in self.parts.owners:
+                o.end_pass("forward")
+        return out
+
+    __call__ = forward
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward of `loss` / gradient_accumulation_steps (times the fp16 loss scale);
+        gradients are reduced as they are produced."""
+        sync = self.is_gradient_accumulation_boundary()
+        with self.phases.phase("backward"):
+            for r in self.parts.reducers:
+                r.begin_backward(sync)
+            for o in self.parts.owners:
+                o.begin_pass("backward")
+            factor = self.scaler.scale / self.gradient_accumulation_steps
+            scaled = loss if factor == 1.0 else loss.float() * factor
+            scaled.backward()
+            for r in self.parts.reducers:
+                r.end_backward()
+            for o in self.parts.owners:
+                o.end_pass("backward")
+        return loss
+
+    def step(self) -> None:
+        """Step the optimizer if this micro-batch ends an accumulation cycle."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        with self.phases.phase("optimizer_step"):
+            stats = self.masters.step(
+                self.optimizer, grad_divisor=self.world_size * self.scaler.scale,
+                clip=float(self.config.gradient_clipping),
+                skip_nonfinite=self.precision == "fp16", loss_scale=self.scaler.reported)  # fmt: skip
+            self.scaler.update(stats.nonfinite)
+            if stats.skipped:
+                self.skipped_steps += 1
+            else:
+                for o in self.parts.owners:
+                    o.after_step()
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            for r in self.parts.reducers:
+                r.zero_grad()
+        self.global_steps += 1
+        self.last_step = stats
+        if self._step_open:
+            self._step_open = False
+            self.phases.end("step")
+
+    def train(self, mode: bool = True) -> ZeroEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> ZeroEngine:
+        return self.train(False)
+
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    # -- memory ------------------------------------------------------------------------------
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of model state this rank holds, measured from the engine's tensors.
+
+        Keys: params, grads, optimizer_states, master_weights (on the training device) and
+        host_<kind> for what offload keeps in host memory (present only when non-zero).
+        Transient buffers (gathered stage-3 units, staging for reduce-scatter) are not
+        model state and are not counted; frozen parameters and buffers neither.
+        """
+        device = {"params": 0, "grads": 0, "optimizer_states": 0, "master_weights": 0}
+        host = dict.fromkeys(device, 0)
+        for o in self.parts.owners:
+            where = host if getattr(o, "offload", False) else device
+            where["params"] += _nbytes(o.param_tensors())
+        for r in self.parts.reducers:
+            device["grads"] += _nbytes(r.grad_tensors())
+        opt_where = host if self.offload_optimizer else device
+        opt_where["optimizer_states"] += _nbytes(state_tensors(self.optimizer))
+        opt_where["master_weights"] += _nbytes(self.masters.master_tensors())
+        host["grads"] += _nbytes(self.masters.host_grad_tensors())
+        out = dict(device)
+        out.update({f"host_{k}": v for k, v in host.items() if v})
+        return out
+
+    def theory(self) -> theory.ModelStateBytes:
+        """theory.py's per-rank model-state bytes for this engine's stage and options."""
+        return theory.model_state_bytes(
+            self.num_parameters, self.world_size, self.zero_stage, precision=self.precision,
+            offload_optimizer=self.offload_optimizer, offload_param=self.offload_param,
+            persistent_params=self.num_persistent_parameters)  # fmt: skip
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None) -> str:
+        """Every rank writes its part; returns the checkpoint directory."""
+        return _checkpoint.save(self, save_dir, tag)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> str:
+        """Load what `save_checkpoint` wrote (same world size and stage)."""
+        return _checkpoint.load(self, load_dir, tag)
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 weights (and buffers) that load into the plain model; a collective
+        (every rank calls it), the result is returned on every rank."""
+        return _checkpoint.consolidated_state_dict(self)
+
+    def _broadcast_initial_state(self) -> None:
+        """Start every rank from rank 0's parameters and buffers."""
+        if self.world_size == 1:
+            return
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for ts in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            self.comm.broadcast(flat, src=0)
+            offset = 0
+            with torch.no_grad():
+                for t in ts:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+
+def initialize(model: nn.Module | None = None, config: Any = None, model_parameters: Any = None,
+               optimizer: Any = None, lr_scheduler: Any = None,
+               **kwargs: Any) -> tuple[ZeroEngine, Any, None, Any]:  # fmt: skip
+    """Build the engine: `deepspeed.initialize`'s call and return shape.
+
+    Joins the torchrun job from the environment when torch.distributed is not initialised
+    yet (gloo on CPU, NCCL with CUDA); a plain process runs as one rank.
+
+    Returns:
+        (engine, optimizer, None, lr_scheduler).
+    """
+    from zerowatch.config import load_config
+    from zerowatch.engine.comm import init_distributed
+
+    if model is None:
+        raise ValueError("model: required")
+    if config is None:
+        config = kwargs.pop("config_params", None)
+    if config is None:
+        raise ValueError("config: required (a dict or a path to a DeepSpeed JSON file)")
+    unknown = sorted(set(kwargs) - {"args", "training_data", "collate_fn", "dist_init_required"})
+    if unknown:
+        raise TypeError(f"initialize() got an unexpected keyword argument {unknown[0]!r}")
+    init_distributed()
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if not isinstance(config, ZeroWatchConfig):
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        hidden = hidden or getattr(model, "hidden_size", None) or getattr(model, "d_model", None)
+        config = load_config(config, world_size=world, hidden_size=hidden)
+    engine = ZeroEngine(model, config, model_parameters=model_parameters, optimizer=optimizer,
+                        lr_scheduler=lr_scheduler)  # fmt: skip
+    return engine, engine.optimizer, None, engine.lr_scheduler
+
+
+__all__ = ["ZeroEngine", "initialize", "pick_device"]

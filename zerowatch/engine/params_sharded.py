@@ -1,0 +1,227 @@
+"""Sharded parameters (stage 3): each rank keeps 1/N of every large parameter.
+
+A *unit* is the set of large trainable parameters registered directly on one submodule (one
+`Segment` per submodule and param group). Between uses, each `nn.Parameter` of a unit holds
+an empty tensor and the rank keeps only its part of the unit's flat buffer
+(`segment.param_shard`, on the host with `offload_param`). Around every use:
+
+    forward:   pre-hook   all-gather the unit (+ prefetch the next units)  -> module runs
+               post-hook  release the unit (after registering a pre-backward hook on outputs)
+    backward:  pre-hook   (first gradient w.r.t. the module's outputs) all-gather again
+               the reducer reduce-scatters the unit's gradients once they are all in, then
+               calls `release` (the gathered copy is not needed any more)
+
+so a micro-batch all-gathers every unit twice and reduce-scatters it once: 3Ψ (the ZeRO
+paper's stage-3 volume). Prefetch: the first forward and backward record the order in which
+units are needed; later passes issue the next units' all-gathers asynchronously (up to
+`stage3_prefetch_bucket_size` elements ahead) so they overlap with compute.
+
+Small parameters (`stage3_param_persistence_threshold`) are not in any unit: they stay
+whole on every rank (see `ReplicatedParams`). A module that uses a parameter registered on
+another module must run that parameter's module (or be its owner): parameters are gathered
+for the module they are registered on.
+"""
+
+from __future__ import annotations
+
+import enum
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from zerowatch.engine.comm import Comm, Handle
+from zerowatch.engine.flat import Segment
+from zerowatch.engine.phases import Phases
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class _Unit:
+    def __init__(self, seg: Segment) -> None:
+        self.seg = seg
+        self.state = UnitState.SHARDED
+        self.full: torch.Tensor | None = None  # gathered flat buffer, padded
+        self.src: torch.Tensor | None = None  # the shard being sent (kept alive while async)
+        self.handle: Handle | None = None
+        self.users = 0  # forward calls currently running that need it
+
+
+class ShardedParams:
+    """Owns stage-3 units: shards them at construction and gathers them around each use.
+
+    Args:
+        module: the model (hooks go on its submodules).
+        segments: one per unit, built with shards = world size.
+        offload: keep the shards on the host (`offload_param`), pinned if device is a GPU.
+        prefetch_numel: elements to gather ahead of need (0: no prefetch).
+    """
+
+    def __init__(self, module: nn.Module, segments: list[Segment], comm: Comm, phases: Phases,
+                 *, device: torch.device, dtype: torch.dtype, offload: bool,
+                 prefetch_numel: int) -> None:  # fmt: skip
+        self.segments, self.comm, self.phases = segments, comm, phases
+        self.device, self.dtype, self.offload = device, dtype, offload
+        self.prefetch_numel = prefetch_numel
+        host = torch.device("cpu")
+        home = host if offload else device
+        self.shard_buffer = torch.empty(sum(s.shard_numel for s in segments), device=home,
+                                        dtype=dtype, pin_memory=offload and device.type == "cuda")  # fmt: skip
+        self._empty = torch.empty(0, device=device, dtype=dtype)
+        self.units: dict[int, _Unit] = {}
+        unit_of: dict[nn.Parameter, _Unit] = {}
+        base = 0
+        for seg in segments:
+            seg.param_shard = self.shard_buffer.narrow(0, base, seg.shard_numel)
+            base += seg.shard_numel
+            full = torch.empty(seg.padded, device=device, dtype=dtype)
+            with torch.no_grad():
+                seg.flatten_into(full, [s.param.data for s in seg.slots])
+                seg.param_shard.copy_(seg.shard_of(full))
+            for s in seg.slots:
+                s.param.data = self._empty
+            unit = _Unit(seg)
+            self.units[seg.index] = unit
+            for s in seg.slots:
+                unit_of[s.param] = unit
+        self._module_units: dict[nn.Module, list[_Unit]] = {}
+        self._hooks: list[Any] = []
+        for m in module.modules():
+            needed: list[_Unit] = []
+            for p in m.parameters(recurse=False):
+                u = unit_of.get(p)  # type: ignore[call-overload]
+                if u is not None and u not in needed:
+                    needed.append(u)
+            if needed:
+                self._module_units[m] = needed
+                self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
+                self._hooks.append(m.register_forward_hook(self._post_forward))
+        self._order: dict[str, list[_Unit]] = {"forward": [], "backward": []}
+        self._recorded = {"forward": False, "backward": False}
+        self._cursor = {"forward": 0, "backward": 0}
+
+    # -- hooks -----------------------------------------------------------------------------
+
+    def _pre_forward(self, module: nn.Module, _args: Any) -> None:
+        units = self._module_units[module]
+        for u in units:
+            u.users += 1
+        self._fetch(units, "forward")
+
+    def _post_forward(self, module: nn.Module, _args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            leaves, _ = tree_flatten(output)
+            tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, partial(self._pre_backward, module), mode="any")  # fmt: skip
+        for u in self._module_units[module]:
+            u.users -= 1
+            if u.users == 0:
+                self.release(u.seg)
+
+    def _pre_backward(self, module: nn.Module, *_grads: Any) -> None:
+        self._fetch(self._module_units[module], "backward")
+
+    # -- gather / release ------------------------------------------------------------------
+
+    def _fetch(self, units: list[_Unit], mode: str) -> None:
+        """Make `units` gathered, issuing the next ones' gathers ahead (prefetch)."""
+        with self.phases.phase("param_gather"):
+            for u in units:
+                if u.state is UnitState.SHARDED:
+                    self._start(u)
+            if self._recorded[mode]:
+                self._prefetch_after(units[-1], mode)
+            else:
+                self._order[mode].extend(units)
+            for u in units:
+                self._wait(u)
+
+    def _prefetch_after(self, unit: _Unit, mode: str) -> None:
+        order = self._order[mode]
+        try:
+            pos = order.index(unit, self._cursor[mode])
+        except ValueError:
+            return
+        self._cursor[mode] = pos + 1
+        budget = self.prefetch_numel
+        for nxt in order[pos + 1 :]:
+            if budget <= 0:
+                break
+            budget -= nxt.seg.numel
+            if nxt.state is UnitState.SHARDED:
+                self._start(nxt)
+
+    def _start(self, u: _Unit) -> None:
+        src = u.seg.param_shard
+        if self.offload:
+            nbytes = src.numel() * src.element_size()
+            with self.phases.offload("h2d", nbytes):
+                src = src.to(self.device, copy=True)
+        u.src = src
+        u.full = torch.empty(u.seg.padded, device=self.device, dtype=self.dtype)
+        u.handle = self.comm.all_gather(u.full, src, purpose="param_fetch", async_op=True)
+        u.state = UnitState.GATHERING
+
+    def _wait(self, u: _Unit) -> None:
+        if u.state is not UnitState.GATHERING:
+            return
+        assert u.handle is not None and u.full is not None
+        u.handle.wait()
+        for s, view in zip(u.seg.slots, u.seg.views(u.full), strict=True):
+            s.param.data = view
+        u.handle, u.src = None, None
+        u.state = UnitState.GATHERED
+
+    def release(self, seg: Segment) -> None:
+        """Drop the gathered copy of `seg`'s unit (its parameters go back to empty)."""
+        u = self.units[seg.index]
+        if u.state is UnitState.SHARDED:
+            return
+        self._wait(u)
+        for s in seg.slots:
+            s.param.data = self._empty
+        u.full = None
+        u.state = UnitState.SHARDED
+
+    # -- pass boundaries -------------------------------------------------------------------
+
+    def begin_pass(self, mode: str) -> None:
+        self._cursor[mode] = 0
+
+    def end_pass(self, mode: str) -> None:
+        """After a forward or backward: release what prefetch gathered and nobody used."""
+        for u in self.units.values():
+            if u.users == 0:
+                self.release(u.seg)
+        if self._order[mode]:
+            self._recorded[mode] = True
+
+    def after_step(self) -> None:
+        return
+
+    # -- whole values (checkpoints, consolidated weights) ----------------------------------
+
+    def gather_full(self, values: torch.Tensor, seg: Segment) -> torch.Tensor:
+        """All-gather one rank-part tensor of `seg` (e.g. an fp32 master shard) to full."""
+        src = values.to(self.device)
+        out = torch.empty(seg.padded, device=self.device, dtype=src.dtype)
+        self.comm.all_gather(out, src, purpose="other").wait()
+        return out
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        return [self.shard_buffer]
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+__all__ = ["ShardedParams", "UnitState"]

@@ -1,0 +1,97 @@
+"""What each ZeRO stage is made of: a parameter owner and a gradient reducer per segment set.
+
+    stage   parameters (owner)              gradients (reducer)                    segments
+    0       ReplicatedParams                BoundaryReducer(all_reduce)            buckets, 1 shard
+    1       ReplicatedParams (+ all-gather) BoundaryReducer(reduce_scatter)        buckets, N shards
+    2       ReplicatedParams (+ all-gather) MicroBatchReducer                      buckets, N shards
+    3       ShardedParams                   MicroBatchReducer                      units, N shards
+            + ReplicatedParams              + BoundaryReducer(all_reduce)          small params, 1 shard
+
+The optimizer side (optim.MasterWeights) is the same for every stage: it updates whatever
+part of each segment this rank owns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerowatch.config import ZeroConfig
+from zerowatch.engine.comm import Comm
+from zerowatch.engine.flat import Segment, bucket
+from zerowatch.engine.params_replicated import ReplicatedParams
+from zerowatch.engine.params_sharded import ShardedParams
+from zerowatch.engine.phases import Phases
+from zerowatch.engine.reducers import BoundaryReducer, MicroBatchReducer
+
+#: (qualified name, parameter, param-group index), in the module's registration order.
+ParamList = list[tuple[str, nn.Parameter, int]]
+
+
+@dataclass
+class Composition:
+    """The parts that make up one stage."""
+
+    owners: list[Any]  # ReplicatedParams | ShardedParams
+    reducers: list[Any]  # BoundaryReducer | MicroBatchReducer
+    segments: list[Segment]
+    persistent_numel: int = 0
+    params_on_host: bool = False
+
+
+def compose(stage: int, module: nn.Module, params: ParamList, zc: ZeroConfig, comm: Comm,
+            phases: Phases, *, device: torch.device, dtype: torch.dtype) -> Composition:  # fmt: skip
+    """Build the owner(s) and reducer(s) of `stage` over the trainable `params`."""
+    n, rank = comm.world_size, comm.rank
+    bucket_numel = max(int(zc.reduce_bucket_size), 1)
+    overlap = bool(zc.overlap_comm)
+    common: dict[str, Any] = {"device": device, "dtype": dtype}
+    # Backward produces the last layers' gradients first: lay buckets out in reverse.
+    backward_order = list(reversed(params))
+    if stage in (0, 1, 2):
+        segs = bucket(backward_order, bucket_numel, 1 if stage == 0 else n, rank)
+        owner = ReplicatedParams(segs, comm, phases, **common)
+        reducer: Any
+        if stage == 2:
+            reducer = MicroBatchReducer(segs, comm, phases, overlap=overlap,
+                                        max_inflight_numel=2 * bucket_numel, **common)  # fmt: skip
+        else:
+            op = "all_reduce" if stage == 0 else "reduce_scatter"
+            reducer = BoundaryReducer(segs, comm, phases, op=op, overlap=overlap, **common)
+        return Composition([owner], [reducer], segs)
+    if stage != 3:
+        raise ValueError(f"zero_optimization.stage: expected 0, 1, 2 or 3, got {stage!r}")
+
+    threshold = int(zc.stage3_param_persistence_threshold)
+    persistent = [t for t in params if t[1].numel() < threshold]
+    big = {id(t[1]): t for t in params if t[1].numel() >= threshold}
+    units: list[Segment] = []
+    for m in module.modules():
+        by_group: dict[int, list[tuple[str, nn.Parameter]]] = {}
+        for p in m.parameters(recurse=False):
+            entry = big.pop(id(p), None)
+            if entry is not None:
+                by_group.setdefault(entry[2], []).append((entry[0], entry[1]))
+        for group, members in sorted(by_group.items()):
+            units.append(Segment(len(units), members, group, n, rank))
+    sharded = ShardedParams(module, units, comm, phases, offload=zc.offload_param.device == "cpu",
+                            prefetch_numel=int(zc.stage3_prefetch_bucket_size), **common)  # fmt: skip
+    unit_reducer = MicroBatchReducer(units, comm, phases, overlap=overlap,
+                                     max_inflight_numel=2 * bucket_numel,
+                                     on_copied=sharded.release, **common)  # fmt: skip
+    owners: list[Any] = [sharded]
+    reducers: list[Any] = [unit_reducer]
+    small = bucket(list(reversed(persistent)), bucket_numel, 1, rank, start_index=len(units))
+    if small:
+        owners.append(ReplicatedParams(small, comm, phases, **common))
+        reducers.append(BoundaryReducer(small, comm, phases, op="all_reduce", overlap=overlap,
+                                        **common))  # fmt: skip
+    return Composition(owners, reducers, units + small,
+                       persistent_numel=sum(t[1].numel() for t in persistent),
+                       params_on_host=zc.offload_param.device == "cpu")  # fmt: skip
+
+
+__all__ = ["Composition", "ParamList", "compose"]
