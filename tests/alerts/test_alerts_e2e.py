@@ -1,0 +1,179 @@
+"""End to end: a real Prometheus loads the rendered rules, scrapes a live zerowatch server
+fed simulated runs, and raises ZeroWatchStepTimeRegression for the run whose step time
+regresses and ZeroWatchRunStalled for the run that stops sending.
+
+The rules are rendered with windows of seconds (the settings an operator would shrink),
+Prometheus scrapes and evaluates every second, and the simulated runs post one step every
+0.25 s in real time, so the whole test takes about 20-30 s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from support.live_server import LiveServer
+from support.prometheus import PrometheusError, PrometheusServer, prometheus
+from zerowatch.alerts import RULES_PATH, AlertSettings, render_rules
+
+from zerowatch import events as ev
+from zerowatch.simulate import SimSpec, run_create, step_event
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+WINDOW_S, OFFSET_S = 4, 8
+SETTINGS = AlertSettings.load(
+    None,
+    [
+        f"window={WINDOW_S}s", f"step_time_baseline_offset={OFFSET_S}s",
+        "step_time_regression_for=2s", "stall_after=3s", "stall_for=1s",
+    ],
+)  # fmt: skip
+STEP_EVERY_S = 0.25
+
+
+class SimulatedRun:
+    """Posts one step of every rank of `spec` to the server every STEP_EVERY_S, in a thread,
+    until stopped or `max_steps` is reached (then it goes quiet without ending: a stall).
+    `regress_now()` makes the step time regress from the next step on."""
+
+    def __init__(self, server: LiveServer, spec: SimSpec, *, max_steps: int | None = None):
+        self.server, self.spec, self.max_steps = server, spec, max_steps
+        self.run_id = uuid.uuid4().hex
+        self.step = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=spec.name)
+        self._client = httpx.Client(base_url=server.api, timeout=10.0)
+
+    def create(self) -> None:
+        body = dataclasses.asdict(run_create(self.spec, run_id=self.run_id))
+        resp = self._client.post("/runs", json=body)
+        assert resp.status_code == 201, resp.text
+
+    def regress_now(self) -> int:
+        """Regress from the next step; returns that step."""
+        at = self.step + 1
+        self.spec = dataclasses.replace(self.spec, regress_at=at)
+        return at
+
+    def _loop(self) -> None:
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            if self.max_steps is not None and self.step >= self.max_steps:
+                return
+            events = [step_event(self.spec, r, self.step) for r in range(self.spec.world_size)]
+            batch = ev.EventBatch(run_id=self.run_id, events=list(events))
+            try:
+                resp = self._client.post(
+                    f"/runs/{self.run_id}/events", json=dataclasses.asdict(batch)
+                )
+                if resp.status_code != 200:
+                    self.errors.append(f"step {self.step}: {resp.status_code} {resp.text[:300]}")
+            except httpx.HTTPError as e:
+                self.errors.append(f"step {self.step}: {e!r}")
+            self.step += 1
+            next_at += STEP_EVERY_S
+            self._stop.wait(max(0.0, next_at - time.monotonic()))
+
+    def start(self) -> SimulatedRun:
+        self.create()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._client.close()
+
+
+def _alerts_by_run(prom: PrometheusServer) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(a["labels"]["alertname"], a["labels"].get("run", "")): a for a in prom.alerts()}
+
+
+def test_prometheus_raises_regression_and_stall_alerts_from_a_live_server(
+    tmp_path: Path,
+) -> None:
+    started = time.monotonic()
+    rules = tmp_path / "rules.yml"
+    rules.write_text(render_rules(SETTINGS))
+
+    server = LiveServer()
+    runs: list[SimulatedRun] = []
+    # Prometheus first: it waits a few seconds before its first scrape anyway, which the
+    # server's start-up overlaps.
+    with (
+        prometheus(targets=[f"{server.url}/metrics"], rule_files=[rules]) as prom,
+        server,
+    ):
+        try:
+            # The server serves the shipped default rules.
+            served = httpx.get(f"{server.api}/alerts/rules.yml", timeout=10)
+            assert served.status_code == 200
+            assert served.text == RULES_PATH.read_text()
+
+            groups = prom.rules()
+            assert all(r["health"] != "err" for g in groups for r in g["rules"]), groups
+            assert len(groups) == 10
+
+            regressing = SimulatedRun(
+                server, SimSpec(name="regressing", project="e2e", step_time_s=0.5, seed=1)
+            ).start()
+            stalling = SimulatedRun(
+                server, SimSpec(name="stalling", project="e2e", seed=2), max_steps=8
+            ).start()
+            runs += [regressing, stalling]
+
+            # Let Prometheus hold a baseline one offset long, then regress.
+            step_time = f'zerowatch_step_time_seconds{{run="{regressing.run_id}"}}'
+            prom.wait_for(lambda: prom.query(f"{step_time} offset {OFFSET_S}s"), timeout=30)
+            regress_at = regressing.regress_now()
+
+            def both_alerts() -> dict[tuple[str, str], dict[str, Any]]:
+                got = _alerts_by_run(prom)
+                want = [
+                    ("ZeroWatchStepTimeRegression", regressing.run_id),
+                    ("ZeroWatchRunStalled", stalling.run_id),
+                ]
+                return got if all(k in got for k in want) else {}
+
+            try:
+                alerts = prom.wait_for(both_alerts, timeout=25)
+            except PrometheusError as e:
+                pytest.fail(f"alerts now: {sorted(_alerts_by_run(prom))}\n{e}")
+        finally:
+            for run in runs:
+                run.stop()
+
+        for run in runs:
+            assert not run.errors, run.errors[:3]
+        assert stalling.step == 8 and regressing.step > regress_at
+
+        regression = alerts[("ZeroWatchStepTimeRegression", regressing.run_id)]
+        assert regression["state"] in ("pending", "firing")
+        assert regression["labels"]["project"] == "e2e"
+        assert regression["labels"]["severity"] == "warning"
+        assert float(regression["value"]) > 1.1
+        assert f"run {regressing.run_id} (project e2e)" in regression["annotations"]["summary"]
+        assert f"over the last {WINDOW_S}s" in regression["annotations"]["description"]
+
+        stall = alerts[("ZeroWatchRunStalled", stalling.run_id)]
+        assert stall["state"] in ("pending", "firing")
+        assert stall["labels"]["severity"] == "critical"
+        assert float(stall["value"]) > 3
+        assert f"Run {stalling.run_id} (project e2e)" in stall["annotations"]["summary"]
+
+        # Nothing else fired on these healthy-otherwise runs: no regression of the run that
+        # stalled, no stall of the run that kept sending, no other alert.
+        assert set(alerts) == {
+            ("ZeroWatchStepTimeRegression", regressing.run_id),
+            ("ZeroWatchRunStalled", stalling.run_id),
+        }, sorted(alerts)
+
+    assert time.monotonic() - started < 60
