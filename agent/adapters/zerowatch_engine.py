@@ -1,0 +1,140 @@
+"""Adapter for the bundled ZeRO engine (zerowatch.engine): it speaks the hooks natively."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from zerowatch.agent.adapters.base import JobInfo, StepStats
+
+from zerowatch import theory
+
+
+def matches(obj: Any) -> bool:
+    """The bundled engine, or anything shaped like it (observer registry + model-state bytes)."""
+    return all(
+        hasattr(obj, name)
+        for name in ("add_observer", "remove_observer", "zero_stage", "model_state_bytes")
+    )
+
+
+def _offload_device(config: Any, key: str) -> str:
+    try:
+        device = getattr(config.zero_optimization, key).device
+    except AttributeError:
+        return "none"
+    return "cpu" if str(device) == "cpu" else "none"
+
+
+def _finite_or_none(x: Any) -> float | None:
+    if x is None:
+        return None
+    try:
+        value = float(x)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+class ZeroWatchEngineAdapter:
+    """zerowatch.engine.ZeroEngine -> EngineAdapter."""
+
+    name = "zerowatch"
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def info(self) -> JobInfo:
+        e = self.engine
+        config: Any = getattr(e, "config", None)
+        config_dict = config.to_dict() if hasattr(config, "to_dict") else {}
+        world = int(getattr(e, "world_size", 1))
+        stage = int(e.zero_stage)
+        precision = str(getattr(e, "precision", "fp32"))
+        n_params = int(getattr(e, "num_parameters", 0))
+        persistent = int(getattr(e, "num_persistent_parameters", 0) or 0)
+        ga = int(getattr(e, "gradient_accumulation_steps", 1) or 1)
+        try:
+            theory_flat = dict(e.theory().flat())
+        except Exception:
+            theory_flat = {}
+        return JobInfo(
+            engine=self.name,
+            rank=int(getattr(e, "rank", 0)),
+            world_size=world,
+            device=str(getattr(e, "device", "cpu")),
+            zero_stage=stage,
+            precision=precision,
+            offload_optimizer=_offload_device(config, "offload_optimizer"),
+            offload_param=_offload_device(config, "offload_param"),
+            config=config_dict,
+            param_count=n_params,
+            persistent_params=persistent,
+            micro_batch_size=int(getattr(e, "micro_batch_size", 1) or 1),
+            gradient_accumulation_steps=ga,
+            theory=theory_flat,
+            theory_comm=theory.comm_bytes_per_step(
+                n_params,
+                world,
+                stage,
+                precision=precision,
+                gradient_accumulation_steps=ga,
+                persistent_params=persistent,
+            ),
+            engine_info={"class": type(e).__qualname__},
+            global_step=int(getattr(e, "global_steps", 0) or 0),
+        )
+
+    def attach(self, observer: Any) -> None:
+        self.engine.add_observer(observer)
+
+    def detach(self, observer: Any) -> None:
+        self.engine.remove_observer(observer)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        return {str(k): int(v) for k, v in self.engine.model_state_bytes().items()}
+
+    def step_stats(self) -> StepStats:
+        last = getattr(self.engine, "last_step", None)
+        if last is None:
+            return StepStats()
+        raw_norm = getattr(last, "grad_norm", None)
+        norm = _finite_or_none(raw_norm)
+        return StepStats(
+            grad_norm=norm,
+            clipped=bool(getattr(last, "clipped", False)),
+            loss_scale=_finite_or_none(getattr(last, "loss_scale", None)),
+            skipped=bool(getattr(last, "skipped", False)),
+            lr=_finite_or_none(getattr(last, "lr", None)),
+            nonfinite=bool(getattr(last, "nonfinite", False))
+            or (raw_norm is not None and norm is None),
+        )
+
+    def _distributed(self) -> bool:
+        if int(getattr(self.engine, "world_size", 1)) <= 1:
+            return False
+        import torch.distributed as dist
+
+        return bool(dist.is_available() and dist.is_initialized())
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if not self._distributed():
+            return obj
+        from zerowatch.engine.comm import broadcast_object  # type: ignore[attr-defined]
+
+        return broadcast_object(obj, src=src)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not self._distributed():
+            return [obj]
+        from zerowatch.engine.comm import all_gather_object  # type: ignore[attr-defined]
+
+        return list(all_gather_object(obj))
+
+    def torch_device(self) -> Any:
+        import torch
+
+        return torch.device(getattr(self.engine, "device", "cpu"))
+
+
+__all__ = ["ZeroWatchEngineAdapter", "matches"]

@@ -1,0 +1,160 @@
+"""HTTP client of the server's ingest API (knows nothing of torch or of threads).
+
+    POST {server}/api/v1/runs                  RunCreate JSON, idempotent on run_id
+    POST {server}/api/v1/runs/{run_id}/events  EventBatch JSON, gzip; -> {"accepted", "duplicates"}
+
+Failures are sorted into three kinds, because the shipper treats them differently:
+
+* `ServerUnavailable`: connection refused, timeout, 5xx, 429, 404 for a run not created
+  yet — worth retrying later; the events wait in the spool meanwhile.
+* `PayloadTooLarge` (413): split the batch and send the halves.
+* `ServerRejected`: any other 4xx (bad token, schema mismatch) — retrying the same bytes
+  cannot help; the message names the status and the server's detail.
+
+One POST is tried `attempts` times with exponential backoff and full jitter between
+(tenacity), so a blip costs a fraction of a second, not a spool round trip.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import tenacity
+
+from zerowatch import __version__
+
+
+class IngestError(Exception):
+    """Base of the client's errors."""
+
+
+class ServerUnavailable(IngestError):
+    """The server cannot take the request now; try again later."""
+
+
+class PayloadTooLarge(IngestError):
+    """413: the batch is over the server's size limit."""
+
+
+class ServerRejected(IngestError):
+    """A 4xx other than 404/413/429: the request itself is refused."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"{status}: {detail}")
+        self.status = status
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    accepted: int
+    duplicates: int
+
+
+def _detail(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+        if isinstance(body, dict) and "detail" in body:
+            return str(body["detail"])[:500]
+    except ValueError:
+        pass
+    return resp.text[:500]
+
+
+def _check(resp: httpx.Response, *, missing_run_is_transient: bool) -> None:
+    code = resp.status_code
+    if code < 400:
+        return
+    if code >= 500 or code == 429 or (code == 404 and missing_run_is_transient):
+        raise ServerUnavailable(f"{code} from {resp.request.url}: {_detail(resp)}")
+    if code == 413:
+        raise PayloadTooLarge(_detail(resp))
+    raise ServerRejected(code, _detail(resp))
+
+
+class IngestClient:
+    """Blocking client of one server; used from the shipper thread and by `upload`."""
+
+    def __init__(
+        self,
+        server: str,
+        token: str | None = None,
+        *,
+        timeout_s: float = 5.0,
+        attempts: int = 3,
+        max_wait_s: float = 2.0,
+    ) -> None:
+        if not server.startswith(("http://", "https://")):
+            raise ValueError(f"server: expected an http:// or https:// URL, got {server!r}")
+        headers = {"User-Agent": f"zerowatch-agent/{__version__}"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self.server = server.rstrip("/")
+        self.timeout_s = timeout_s
+        #: time.monotonic() after which no request starts and none outlasts it (at close).
+        self.deadline: float | None = None
+        self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout_s)
+        self._retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(max(attempts, 1))
+            | tenacity.stop_any(self._past_deadline),
+            wait=tenacity.wait_random_exponential(multiplier=0.1, max=max_wait_s),
+            retry=tenacity.retry_if_exception_type(ServerUnavailable),
+            reraise=True,
+        )
+
+    def _past_deadline(self, _state: Any = None) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def _post(self, path: str, *, missing_run_is_transient: bool, **kw: Any) -> httpx.Response:
+        timeout = self.timeout_s
+        if self.deadline is not None:
+            timeout = min(timeout, self.deadline - time.monotonic())
+            if timeout <= 0:
+                raise ServerUnavailable("out of time (closing)")
+        try:
+            resp = self._http.post(path, timeout=timeout, **kw)
+        except httpx.HTTPError as e:  # connect refused, timeouts, protocol errors
+            raise ServerUnavailable(f"{type(e).__name__}: {e}") from e
+        _check(resp, missing_run_is_transient=missing_run_is_transient)
+        return resp
+
+    def create_run(self, run_create: bytes) -> None:
+        """POST the RunCreate JSON (idempotent on run_id)."""
+        self._retrying(
+            self._post,
+            "/api/v1/runs",
+            missing_run_is_transient=False,
+            content=run_create,
+            headers={"Content-Type": "application/json"},
+        )
+
+    def post_events(self, run_id: str, gz_body: bytes, *, retry: bool = True) -> IngestResult:
+        """POST one gzip-compressed EventBatch body; returns what the server stored."""
+        kw: dict[str, Any] = {
+            "missing_run_is_transient": True,
+            "content": gz_body,
+            "headers": {"Content-Type": "application/json", "Content-Encoding": "gzip"},
+        }
+        path = f"/api/v1/runs/{run_id}/events"
+        resp = self._retrying(self._post, path, **kw) if retry else self._post(path, **kw)
+        try:
+            body = resp.json()
+            return IngestResult(int(body.get("accepted", 0)), int(body.get("duplicates", 0)))
+        except (ValueError, AttributeError, TypeError):
+            return IngestResult(0, 0)
+
+    def close(self) -> None:
+        self._http.close()
+
+
+__all__ = [
+    "IngestClient",
+    "IngestError",
+    "IngestResult",
+    "PayloadTooLarge",
+    "ServerRejected",
+    "ServerUnavailable",
+]

@@ -1,0 +1,38 @@
+"""Events to wire JSON and back: one compact JSON object per event, gzip per batch.
+
+Standard library only. Non-finite floats are never written (the server forbids them): the
+step assembler already turns them into None plus a `nonfinite` flag, and `dumps` refuses
+what slipped through rather than sending invalid JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+from typing import Any
+
+from zerowatch import events as ev
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """A wire event or RunCreate as a plain JSON-able dict."""
+    return dataclasses.asdict(obj)
+
+
+def dumps(obj: dict[str, Any]) -> bytes:
+    """Compact JSON bytes of one dict; raises ValueError on NaN/inf."""
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+def batch_body(run_id: str, event_lines: list[bytes]) -> bytes:
+    """The gzip-compressed EventBatch body built from already-encoded events."""
+    head = b'{"schema_version":%d,"run_id":%s,"events":[' % (
+        ev.SCHEMA_VERSION,
+        json.dumps(run_id).encode(),
+    )
+    raw = head + b",".join(event_lines) + b"]}"
+    return gzip.compress(raw, compresslevel=5)
+
+
+__all__ = ["batch_body", "dumps", "to_dict"]

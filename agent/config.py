@@ -1,0 +1,101 @@
+"""The agent's knobs, parsed once at `instrument()` time.
+
+Every keyword of `zerowatch.instrument(...)` beyond the named ones lands here; an unknown
+keyword is a `TypeError` naming it (with a did-you-mean), a bad value a `ValueError` naming
+the field. Standard library only.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """How the agent measures and ships. Defaults suit a real job; tests shrink them."""
+
+    spans_every: int = 10
+    """Every this many steps carries raw phase/collective spans for the trace export
+    (0 = never). Step 0 is always sampled when enabled."""
+    max_spans_per_step: int = 4096
+    """Cap on raw spans kept for one sampled step (stage 3 gathers many small modules)."""
+    memory_every: int = 1
+    """Read the engine's model-state bytes every this many steps (the last reading is
+    repeated between); process RSS and allocator peaks are read every step."""
+    queue_size: int = 4096
+    """Events the training thread may hand to the shipper before it drops (bounded memory)."""
+    batch_max_events: int = 64
+    """Most events in one POST."""
+    flush_interval_s: float = 0.5
+    """Longest time an event waits in the shipper before it is sent."""
+    http_timeout_s: float = 5.0
+    """Connect/read timeout of one POST; a hanging server costs the shipper this, never the
+    training thread."""
+    retry_attempts: int = 3
+    """Tries of one POST (exponential backoff with jitter between) before the server is
+    considered unreachable and events go to the spool."""
+    retry_max_wait_s: float = 2.0
+    """Longest wait between two tries, and between two probes of an unreachable server."""
+    close_timeout_s: float = 10.0
+    """How long `close()` may spend sending what is left; the rest stays in the spool."""
+    max_spool_bytes: int = 512 * 1024 * 1024
+    """Bound on this rank's on-disk spool; past it new events are dropped and counted."""
+    spool_segment_bytes: int = 4 * 1024 * 1024
+    """Size of one append-only JSONL segment file of the spool."""
+    fsync_interval_s: float = 1.0
+    """Spooled events reach the disk (fsync) at least this often, and at segment ends and
+    at close."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device (e.g. 989e12 for an H100 in bf16); enables MFU."""
+    flops_params: int | None = None
+    """Parameters counted for 6·N FLOPs per token (default: the engine's parameter count;
+    torchtitan leaves out the embedding)."""
+    num_layers: int | None = None
+    """Transformer layers L, for the attention FLOPs 12·L·H·T per token."""
+    hidden_size: int | None = None
+    """Model width H (heads × head dim), for the attention FLOPs."""
+    seq_len: int | None = None
+    """Sequence length T, for the attention FLOPs."""
+    name: str | None = None
+    """Human-readable run name (default: the `run` argument, or the run id)."""
+
+    def __post_init__(self) -> None:
+        positive_ints = ("max_spans_per_step", "memory_every", "queue_size", "batch_max_events",
+                         "retry_attempts", "spool_segment_bytes")  # fmt: skip
+        for key in positive_ints:
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{key}: expected an integer >= 1, got {value!r}")
+        for key in ("spans_every", "max_spool_bytes"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{key}: expected an integer >= 0, got {value!r}")
+        for key in ("flush_interval_s", "http_timeout_s", "retry_max_wait_s",
+                    "close_timeout_s", "fsync_interval_s"):  # fmt: skip
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"{key}: expected a number of seconds > 0, got {value!r}")
+        if self.peak_flops is not None and not (
+            isinstance(self.peak_flops, (int, float)) and self.peak_flops > 0
+        ):
+            raise ValueError(f"peak_flops: expected FLOP/s > 0, got {self.peak_flops!r}")
+        for key in ("flops_params", "num_layers", "hidden_size", "seq_len"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{key}: expected an integer >= 0, got {value!r}")
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> AgentConfig:
+        """Build from `instrument(**kw)`; an unknown key is a TypeError with a did-you-mean."""
+        known = {f.name for f in fields(cls)}
+        for key in kwargs:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise TypeError(f"instrument() got an unknown keyword {key!r}{hint}")
+        return cls(**kwargs)
+
+
+__all__ = ["AgentConfig"]

@@ -1,0 +1,151 @@
+"""Per-step aggregates of the engine's collectives, by (op, purpose).
+
+Each call adds to a count, a byte total (nccl-tests "size"), a latency sum and maximum and
+a fixed-bucket latency histogram (events.LATENCY_BUCKETS: 50 µs to 30 s, +Inf last), so a
+step's record stays the same size however many collectives ran. Bandwidths follow
+nccl-tests: algbw = bytes / time, busbw = algbw · factor(op, n) with (n−1)/n for
+all-gather and reduce-scatter and 2(n−1)/n for all-reduce.
+
+Exposed communication is the time the training thread was blocked on communication: the
+whole latency of a synchronous call plus the time spent waiting on an async one (the engine
+measures that in `wait()`); what overlap_comm hid is latency − exposed.
+
+Async collectives may complete on another thread, hence the lock. On CUDA the record's
+latency comes from its CUDA events, read when they have completed (a step later).
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from typing import Any
+
+from zerowatch import events as ev
+
+_N_BUCKETS = len(ev.LATENCY_BUCKETS) + 1
+_PURPOSES = frozenset(ev.PURPOSES)
+_OPS = frozenset(ev.COLLECTIVE_OPS)
+
+
+class _Agg:
+    __slots__ = ("async_count", "buckets", "count", "lat_max", "lat_sum", "nbytes", "world")
+
+    def __init__(self, world: int) -> None:
+        self.count = 0
+        self.nbytes = 0
+        self.lat_sum = 0.0
+        self.lat_max = 0.0
+        self.buckets = [0] * _N_BUCKETS
+        self.async_count = 0
+        self.world = world
+
+    def add(self, nbytes: int, latency: float, async_op: bool) -> None:
+        latency = max(latency, 0.0)
+        self.count += 1
+        self.nbytes += nbytes
+        self.lat_sum += latency
+        if latency > self.lat_max:
+            self.lat_max = latency
+        self.buckets[bisect_left(ev.LATENCY_BUCKETS, latency)] += 1
+        if async_op:
+            self.async_count += 1
+
+
+@dataclass
+class CollectiveWindow:
+    """One step's collectives; CUDA-timed calls are resolved when `ready()`."""
+
+    aggs: dict[tuple[str, str], _Agg] = field(default_factory=dict)
+    pending_cuda: list[Any] = field(default_factory=list)
+    exposed_s: float = 0.0
+    #: (op, purpose, nbytes, async, start, end) per call, on sampled steps.
+    spans: list[tuple[str, str, int, bool, float, float]] | None = None
+
+    def ready(self) -> bool:
+        return all(rec.cuda_events[1].query() for rec in self.pending_cuda)
+
+    def stats(self) -> list[ev.CollectiveStats]:
+        for rec in self.pending_cuda:
+            start, end = rec.cuda_events
+            latency = float(start.elapsed_time(end)) / 1e3
+            _add(self.aggs, rec.op, rec.purpose, rec.nbytes, rec.world_size, latency, rec.async_op)
+        self.pending_cuda = []
+        out = []
+        for (op, purpose), a in sorted(self.aggs.items()):
+            algbw = a.nbytes / a.lat_sum if a.lat_sum > 0 else 0.0
+            out.append(
+                ev.CollectiveStats(
+                    op=op,  # type: ignore[arg-type]
+                    purpose=purpose,  # type: ignore[arg-type]
+                    count=a.count,
+                    bytes=a.nbytes,
+                    latency_sum_s=a.lat_sum,
+                    latency_max_s=a.lat_max,
+                    buckets=list(a.buckets),
+                    world_size=a.world,
+                    algbw_bytes_per_s=algbw,
+                    busbw_bytes_per_s=algbw * ev.bus_bandwidth_factor(op, a.world),
+                    async_count=a.async_count,
+                )
+            )
+        return out
+
+
+def _add(
+    aggs: dict[tuple[str, str], _Agg],
+    op: str,
+    purpose: str,
+    nbytes: int,
+    world: int,
+    latency: float,
+    async_op: bool,
+) -> None:
+    key = (op, purpose)
+    agg = aggs.get(key)
+    if agg is None:
+        agg = aggs[key] = _Agg(world)
+    agg.add(nbytes, latency, async_op)
+
+
+class CollectiveAggregator:
+    """Receives `CollectiveRecord`s (any thread); `take()` hands over one step's window."""
+
+    def __init__(self, max_spans: int = 4096) -> None:
+        self._lock = threading.Lock()
+        self._window = CollectiveWindow()
+        self._max_spans = max_spans
+        self.unknown_ops = 0
+
+    def sample_next(self, on: bool) -> None:
+        """Keep raw spans for the step now starting."""
+        with self._lock:
+            self._window.spans = [] if on else None
+
+    def record(self, rec: Any) -> None:
+        op, purpose = rec.op, rec.purpose
+        if op not in _OPS:
+            self.unknown_ops += 1
+            return
+        if purpose not in _PURPOSES:
+            purpose = "other"
+        with self._lock:
+            w = self._window
+            if rec.cuda_events is not None:
+                w.pending_cuda.append(rec)
+            else:
+                _add(w.aggs, op, purpose, int(rec.nbytes), int(rec.world_size),
+                     rec.end - rec.start, bool(rec.async_op))  # fmt: skip
+            w.exposed_s += max(float(rec.exposed_s), 0.0)
+            if w.spans is not None and len(w.spans) < self._max_spans:
+                w.spans.append(
+                    (op, purpose, int(rec.nbytes), bool(rec.async_op), rec.start, rec.end)
+                )
+
+    def take(self) -> CollectiveWindow:
+        with self._lock:
+            window, self._window = self._window, CollectiveWindow()
+        return window
+
+
+__all__ = ["CollectiveAggregator", "CollectiveWindow"]

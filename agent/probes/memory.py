@@ -1,0 +1,130 @@
+"""Memory of one rank per step, next to the ZeRO theory.
+
+* On CUDA: the caching allocator's peak per top-level phase (`reset_peak_memory_stats` at
+  the phase start, `max_memory_allocated` at its end), reserved bytes, the device capacity,
+  allocation retries (`num_alloc_retries`: the allocator had to free its cache to satisfy a
+  request, a sign of fragmentation) and OOMs.
+* On CPU: the process RSS at the end of each top-level phase (the peak of those readings
+  per phase) and the process's lifetime RSS peak (`ru_maxrss`).
+* Everywhere: the engine's own model-state bytes per kind (the tensors it holds, from the
+  adapter) and the theory's bytes for this stage, so measured sits beside expected.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from typing import Any
+
+from zerowatch import events as ev
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+class RssReader:
+    """Current resident set size, cheaply: a pread of /proc/self/statm, else psutil."""
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+        try:
+            self._fd = os.open("/proc/self/statm", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+        self._proc: Any = None
+        if self._fd is None:
+            try:
+                import psutil
+
+                self._proc = psutil.Process()
+            except ImportError:
+                self._proc = None
+
+    def __call__(self) -> int:
+        if self._fd is not None:
+            fields = os.pread(self._fd, 128, 0).split()
+            return int(fields[1]) * _PAGE
+        if self._proc is not None:
+            return int(self._proc.memory_info().rss)
+        return 0
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def rss_peak_bytes() -> int:
+    """The process's lifetime resident-set peak (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+class MemoryProbe:
+    """Peaks per top-level phase; `take()` builds the step's MemoryStats."""
+
+    device_kind = "cpu"
+
+    def __init__(self, theory: dict[str, int]) -> None:
+        self._theory = dict(theory)
+        self._rss = RssReader()
+        self._peaks: dict[str, int] = {}
+        self._rss_seen = 0
+
+    def phase_start(self, phase: str) -> None:
+        pass
+
+    def phase_end(self, phase: str) -> None:
+        value = self._rss()
+        self._rss_seen = max(self._rss_seen, value)
+        if value > self._peaks.get(phase, 0):
+            self._peaks[phase] = value
+
+    def take(self, model_state: dict[str, int]) -> ev.MemoryStats:
+        peaks, self._peaks = self._peaks, {}
+        return ev.MemoryStats(
+            peak_by_phase=peaks,
+            model_state=dict(model_state),
+            model_state_theory=dict(self._theory),
+            device="cpu",
+            # ru_maxrss is updated lazily by the kernel: never report less than we saw.
+            rss_peak_bytes=max(rss_peak_bytes(), self._rss_seen),
+        )
+
+    def close(self) -> None:
+        self._rss.close()
+
+
+class CudaMemoryProbe(MemoryProbe):
+    """Allocator peaks per phase (reset between phases) plus the CPU side's RSS peak."""
+
+    device_kind = "cuda"
+
+    def __init__(self, theory: dict[str, int], device: Any) -> None:
+        super().__init__(theory)
+        import torch
+
+        self._cuda = torch.cuda
+        self._device = device
+        self._capacity = int(torch.cuda.get_device_properties(device).total_memory)
+
+    def phase_start(self, phase: str) -> None:
+        self._cuda.reset_peak_memory_stats(self._device)
+
+    def phase_end(self, phase: str) -> None:
+        value = int(self._cuda.max_memory_allocated(self._device))
+        if value > self._peaks.get(phase, 0):
+            self._peaks[phase] = value
+
+    def take(self, model_state: dict[str, int]) -> ev.MemoryStats:
+        stats = super().take(model_state)
+        counters = self._cuda.memory_stats(self._device)
+        stats.device = "cuda"
+        stats.reserved_bytes = int(self._cuda.memory_reserved(self._device))
+        stats.capacity_bytes = self._capacity
+        stats.alloc_retries = int(counters.get("num_alloc_retries", 0))
+        stats.ooms = int(counters.get("num_ooms", 0))
+        return stats
+
+
+__all__ = ["CudaMemoryProbe", "MemoryProbe", "RssReader", "rss_peak_bytes"]

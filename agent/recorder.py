@@ -1,0 +1,337 @@
+"""The step recorder: the engine's observer, turning one step's measurements into a StepEvent.
+
+Life of a step on one rank:
+
+1. `step` starts (the first forward of a gradient-accumulation cycle): the previous step's
+   draft stops taking `run.log()` values and is emitted once its timings are known.
+2. Phases, collectives and offload copies arrive from the engine and go to the probes.
+3. `step` ends (the end of `engine.step()` on the boundary): the probes hand over their
+   windows, memory and the optimizer's view (grad norm, loss scale, lr) are read, and a
+   *draft* is kept open: `run.log(loss=...)` called right after `engine.step()` still lands
+   on this step.
+4. The draft becomes a StepEvent — phases with the `other` gap, so that forward + backward
+   + optimizer_step + other = step time; collective stats; exposed communication; offload;
+   memory; throughput and MFU; user scalars; raw spans on sampled steps — and is handed to
+   the shipper. On CUDA that waits until the step's CUDA events have completed (a step
+   later); nothing here ever synchronizes the device.
+
+Every engine callback is guarded: an error is counted and logged once, never raised into
+the engine (which would count it too, but training must not even notice).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from zerowatch.agent import flops
+from zerowatch.agent.adapters.base import EngineAdapter, JobInfo, StepStats
+from zerowatch.agent.config import AgentConfig
+from zerowatch.agent.errors import AgentHealth
+from zerowatch.agent.probes import (
+    TOP_LEVEL,
+    Clock,
+    CollectiveAggregator,
+    CollectiveWindow,
+    MemoryProbe,
+    OffloadProbe,
+    PhaseTimer,
+    PhaseWindow,
+)
+
+from zerowatch import events as ev
+
+_TOP = frozenset(TOP_LEVEL)
+
+
+@dataclass
+class UserScalars:
+    """What `run.log()` gave for one step: `tokens` and `samples` are summed over the
+    micro-batches, `loss` is averaged, any other key keeps its last value."""
+
+    loss_sum: float = 0.0
+    loss_n: int = 0
+    loss_nonfinite: bool = False
+    tokens: int = 0
+    samples: int = 0
+    other: dict[str, float] = field(default_factory=dict)
+
+    def add(self, scalars: dict[str, float]) -> None:
+        for key, value in scalars.items():
+            if key == "loss":
+                if math.isfinite(value):
+                    self.loss_sum += value
+                    self.loss_n += 1
+                else:
+                    self.loss_nonfinite = True
+            elif key == "tokens":
+                self.tokens += int(value)
+            elif key == "samples":
+                self.samples += int(value)
+            elif math.isfinite(value):
+                self.other[key] = value
+
+
+@dataclass
+class StepDraft:
+    """One ended step whose event is not out yet."""
+
+    step: int
+    start: Any
+    end: Any
+    phases: PhaseWindow
+    collectives: CollectiveWindow
+    offload: list[ev.OffloadStats]
+    offload_spans: list[tuple[str, int, float, float]] | None
+    memory: ev.MemoryStats | None
+    stats: StepStats
+    sampled: bool
+    user: UserScalars
+
+    def ready(self, clock: Clock) -> bool:
+        return clock.ready(self.end) and self.phases.ready() and self.collectives.ready()
+
+
+class StepRecorder:
+    """Observer of one engine (via its adapter); emits StepEvents through `emit`."""
+
+    def __init__(
+        self,
+        *,
+        adapter: EngineAdapter,
+        job: JobInfo,
+        config: AgentConfig,
+        health: AgentHealth,
+        clock: Clock,
+        memory: MemoryProbe,
+        emit: Callable[[ev.StepEvent], None],
+        next_seq: Callable[[], int],
+    ) -> None:
+        self._adapter = adapter
+        self._job = job
+        self._cfg = config
+        self._health = health
+        self._clock = clock
+        self._memory = memory
+        self._emit = emit
+        self._next_seq = next_seq
+        self._timer = PhaseTimer(clock)
+        self._collectives = CollectiveAggregator(config.max_spans_per_step)
+        self._offload = OffloadProbe(config.max_spans_per_step)
+        self._lock = threading.Lock()  # run.log() vs the engine's callbacks
+        self._step = job.global_step
+        self._step_start: Any = None
+        self._sampled = False
+        self._user = UserScalars()
+        self._open: StepDraft | None = None
+        self._waiting: list[StepDraft] = []
+        self._model_state: dict[str, int] = {}
+        self._flops_per_token = flops.flops_per_token(
+            config.flops_params if config.flops_params is not None else job.param_count,
+            num_layers=config.num_layers,
+            hidden_size=config.hidden_size,
+            seq_len=config.seq_len,
+        )
+        # perf_counter -> unix seconds, for span and event timestamps.
+        self._unix_offset = time.time() - time.perf_counter()
+        self.steps_emitted = 0
+
+    # -- engine callbacks (training thread; collectives maybe another) -----------------
+
+    def on_phase_start(self, phase: str, t: float) -> None:
+        try:
+            if phase == "step":
+                self._begin_step(t)
+                return
+            self._timer.start(phase, t)
+            if phase in _TOP:
+                self._memory.phase_start(phase)
+        except Exception as e:
+            self._health.error(f"recording the start of phase {phase!r}", e)
+
+    def on_phase_end(self, phase: str, t: float) -> None:
+        try:
+            if phase == "step":
+                self._end_step(t)
+                return
+            self._timer.end(phase, t)
+            if phase in _TOP:
+                self._memory.phase_end(phase)
+        except Exception as e:
+            self._health.error(f"recording the end of phase {phase!r}", e)
+
+    def on_collective(self, record: Any) -> None:
+        try:
+            self._collectives.record(record)
+        except Exception as e:
+            self._health.error("recording a collective", e)
+
+    def on_offload(self, direction: str, nbytes: int, start: float, end: float) -> None:
+        try:
+            if not self._offload.record(direction, nbytes, start, end):
+                self._health.warn_once(
+                    f"offload-dir:{direction}",
+                    "zerowatch agent: unknown offload direction %r ignored",
+                    direction,
+                )
+        except Exception as e:
+            self._health.error("recording an offload copy", e)
+
+    # -- user scalars ----------------------------------------------------------------
+
+    def log(self, scalars: dict[str, float]) -> None:
+        """Add validated scalars to the step in progress, or to the one that just ended."""
+        with self._lock:
+            if self._step_start is None and self._open is not None:
+                self._open.user.add(scalars)
+            else:
+                self._user.add(scalars)
+
+    # -- step assembly ---------------------------------------------------------------
+
+    def _begin_step(self, t: float) -> None:
+        with self._lock:
+            if self._open is not None:
+                self._waiting.append(self._open)
+                self._open = None
+        self._emit_ready()
+        # Anything that ran between steps (checkpointing, evaluation) is not part of one.
+        self._timer.reset()
+        self._collectives.take()
+        self._offload.take()
+        every = self._cfg.spans_every
+        self._sampled = bool(every) and (self._step - self._job.global_step) % every == 0
+        self._collectives.sample_next(self._sampled)
+        self._offload.sample_next(self._sampled)
+        self._step_start = self._clock.mark(t)
+
+    def _end_step(self, t: float) -> None:
+        if self._step_start is None:
+            self._health.warn_once(
+                "step-no-start",
+                "zerowatch agent: a step ended that was not seen starting (instrumented "
+                "mid-step?); it is not recorded",
+            )
+            return
+        end = self._clock.mark(t)
+        phases = self._timer.take()
+        window = self._collectives.take()
+        offload, offload_spans = self._offload.take()
+        n = self._step - self._job.global_step
+        if n % self._cfg.memory_every == 0 or not self._model_state:
+            try:
+                self._model_state = self._adapter.model_state_bytes()
+            except Exception as e:
+                self._health.error("reading the engine's model-state bytes", e)
+        memory = self._memory.take(self._model_state)
+        stats = self._adapter.step_stats()
+        with self._lock:
+            draft = StepDraft(
+                step=self._step, start=self._step_start, end=end, phases=phases,
+                collectives=window, offload=offload, offload_spans=offload_spans,
+                memory=memory, stats=stats, sampled=self._sampled, user=self._user,
+            )  # fmt: skip
+            self._user = UserScalars()
+            if self._open is not None:  # two step ends without a start between: keep both
+                self._waiting.append(self._open)
+            self._open = draft
+            self._step_start = None
+        self._step += 1
+        self._emit_ready()
+
+    def _emit_ready(self, *, force: bool = False) -> None:
+        while self._waiting:
+            draft = self._waiting[0]
+            if not force and not draft.ready(self._clock):
+                return
+            self._waiting.pop(0)
+            try:
+                event = self._build(draft)
+            except Exception as e:
+                self._health.error("assembling a step event", e)
+                self._health.drop(1, "a step event could not be assembled")
+                continue
+            self._emit(event)
+            self.steps_emitted += 1
+
+    def flush(self) -> None:
+        """Emit every ended step (at close). On CUDA this waits for the device once."""
+        with self._lock:
+            if self._open is not None:
+                self._waiting.append(self._open)
+                self._open = None
+        if self._waiting and not all(d.ready(self._clock) for d in self._waiting):
+            try:
+                import torch
+
+                torch.cuda.synchronize()
+            except Exception as e:
+                self._health.error("waiting for the device at close", e)
+        self._emit_ready(force=True)
+
+    def _build(self, d: StepDraft) -> ev.StepEvent:
+        clock, cfg, job = self._clock, self._cfg, self._job
+        step_time = max(clock.seconds(d.start, d.end), 0.0)
+        phases = d.phases.totals()
+        top = sum(phases.get(p, 0.0) for p in TOP_LEVEL)
+        phases["other"] = max(step_time - top, 0.0)
+        user = d.user
+        loss = user.loss_sum / user.loss_n if user.loss_n else None
+        samples = user.samples or job.micro_batch_size * job.gradient_accumulation_steps
+        tokens = user.tokens
+        samples_per_s = samples / step_time if step_time > 0 else None
+        tokens_per_s = tokens / step_time if tokens and step_time > 0 else None
+        stats = d.stats
+        nonfinite = stats.nonfinite or user.loss_nonfinite
+        start_unix = clock.host_time(d.start) + self._unix_offset
+        return ev.StepEvent(
+            rank=job.rank,
+            seq=self._next_seq(),
+            step=d.step,
+            time=clock.host_time(d.end) + self._unix_offset,
+            step_time_s=step_time,
+            phases=phases,
+            collectives=d.collectives.stats(),
+            exposed_comm_s=d.collectives.exposed_s,
+            offload=d.offload,
+            memory=d.memory,
+            grad_norm=None if nonfinite else stats.grad_norm,
+            clipped=stats.clipped,
+            loss=loss,
+            loss_scale=stats.loss_scale,
+            skipped=stats.skipped,
+            nonfinite=nonfinite,
+            lr=stats.lr,
+            samples=samples,
+            tokens=tokens,
+            samples_per_s=samples_per_s,
+            tokens_per_s=tokens_per_s,
+            mfu=flops.mfu(tokens_per_s, self._flops_per_token, cfg.peak_flops),
+            scalars=dict(user.other),
+            spans=self._spans(d, start_unix, step_time) if d.sampled else None,
+        )
+
+    def _spans(self, d: StepDraft, start_unix: float, step_time: float) -> list[ev.Span]:
+        off = self._unix_offset
+        cap = self._cfg.max_spans_per_step
+        spans = [ev.Span(name="step", cat="phase", start=start_unix, end=start_unix + step_time)]
+        for phase, t0, t1 in d.phases.spans():
+            spans.append(ev.Span(name=phase, cat="phase", start=t0 + off, end=t1 + off))
+        for op, purpose, nbytes, async_op, t0, t1 in d.collectives.spans or ():
+            spans.append(
+                ev.Span(name=op, cat="collective", start=t0 + off, end=t1 + off,
+                        args={"op": op, "purpose": purpose, "bytes": nbytes, "async": async_op})
+            )  # fmt: skip
+        for direction, nbytes, t0, t1 in d.offload_spans or ():
+            spans.append(
+                ev.Span(name=f"offload_{direction}", cat="offload", start=t0 + off,
+                        end=t1 + off, args={"bytes": nbytes})
+            )  # fmt: skip
+        return spans[:cap]
+
+
+__all__ = ["StepDraft", "StepRecorder", "UserScalars"]

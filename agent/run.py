@@ -1,0 +1,185 @@
+"""`Run`: one rank's handle on an instrumented run (log scalars, close)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from zerowatch.agent.adapters.base import EngineAdapter, JobInfo
+from zerowatch.agent.config import AgentConfig
+from zerowatch.agent.errors import AgentHealth
+from zerowatch.agent.probes import MemoryProbe
+from zerowatch.agent.recorder import StepRecorder
+from zerowatch.agent.transport import Transport
+
+from zerowatch import events as ev
+
+
+def _as_number(key: str, value: Any) -> float:
+    """A logged value as float; a TypeError naming the key for anything not a real number."""
+    if isinstance(value, bool):
+        raise TypeError(f"run.log: {key}={value!r}: expected a number, got a bool")
+    if isinstance(value, numbers.Real):
+        return float(value)
+    numel = getattr(value, "numel", None)
+    if callable(numel) and hasattr(value, "item"):  # a one-element tensor / array
+        if numel() != 1:
+            raise TypeError(f"run.log: {key}: expected a number or a one-element tensor, "
+                            f"got a tensor of {numel()} elements")  # fmt: skip
+        item = value.item()
+        if isinstance(item, numbers.Real) and not isinstance(item, bool):
+            return float(item)
+    raise TypeError(f"run.log: {key}={value!r}: expected a number, got {type(value).__name__}")
+
+
+class Run:
+    """What `zerowatch.instrument()` returns; one per rank, all ranks of a job share `id`.
+
+    Use as a context manager (`with zerowatch.instrument(engine) as run:`) or call
+    `close()` at the end; a block left by an exception marks the run failed.
+    """
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        name: str,
+        job: JobInfo,
+        adapter: EngineAdapter,
+        recorder: StepRecorder,
+        transport: Transport,
+        memory: MemoryProbe,
+        health: AgentHealth,
+        config: AgentConfig,
+        server: str | None,
+        next_seq: Any,
+    ) -> None:
+        self.id = run_id
+        self.name = name
+        self.rank = job.rank
+        self.world_size = job.world_size
+        self.server = server
+        self.spool_path = Path(transport.spool.run_dir)
+        self.config = config
+        self._job = job
+        self._adapter = adapter
+        self._recorder = recorder
+        self._transport = transport
+        self._memory = memory
+        self._health = health
+        self._next_seq = next_seq
+        self._close_lock = threading.Lock()
+        self.closed = False
+        self.status: str = "running"
+
+    # -- user API --------------------------------------------------------------------
+
+    def log(self, **scalars: Any) -> None:
+        """Add user scalars (loss, tokens, samples, anything numeric) to the current step.
+
+        Called after `engine.step()`, the values belong to the step that just ended; called
+        during a step (e.g. per micro-batch), to that step. `tokens` and `samples` add up
+        over a step's calls (tokens/s, samples/s and MFU come from them), `loss` is
+        averaged, other keys keep their last value. A one-element tensor is accepted
+        (reading it waits for the device, as `.item()` does).
+
+        Raises:
+            TypeError: a value is not a real number (the message names the key).
+        """
+        clean = {str(k): _as_number(k, v) for k, v in scalars.items()}
+        if self.closed:
+            return
+        for key, value in clean.items():
+            if not math.isfinite(value) and key != "loss":
+                self._health.warn_once(
+                    f"nonfinite:{key}",
+                    "zerowatch: run.log(%s=%r): non-finite values are not stored",
+                    key,
+                    value,
+                )
+        try:
+            self._recorder.log(clean)
+        except Exception as e:
+            self._health.error("run.log", e)
+
+    def close(self, status: str | None = None, error: str | None = None) -> None:
+        """Flush, send this rank's EndEvent and stop shipping (idempotent).
+
+        Args:
+            status: "finished" (default) or "failed".
+            error: a short description of the failure.
+        """
+        with self._close_lock:
+            if self.closed:
+                return
+            self.closed = True
+        status = status or "finished"
+        if status not in ("finished", "failed"):
+            raise ValueError(f"status: expected 'finished' or 'failed', got {status!r}")
+        self.status = status
+        try:
+            self._adapter.detach(self._recorder)
+        except Exception as e:
+            self._health.error("detaching from the engine", e)
+        try:
+            self._recorder.flush()
+        except Exception as e:
+            self._health.error("flushing the last steps", e)
+        end = ev.EndEvent(
+            rank=self.rank,
+            seq=self._next_seq(),
+            time=time.time(),
+            status=status,  # type: ignore[arg-type]
+            error=error[:2000] if error else None,
+        )
+        try:
+            self._transport.close(end, self.config.close_timeout_s)
+        except Exception as e:
+            self._health.error("closing the shipper", e)
+        self._memory.close()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.close(status="failed", error=f"{exc_type.__name__}: {exc}")
+
+    # -- health ----------------------------------------------------------------------
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """What this rank's agent did: steps recorded, events sent/spooled/dropped, errors."""
+        t = self._transport.stats
+        return {
+            "run_id": self.id,
+            "rank": self.rank,
+            "steps": self._recorder.steps_emitted,
+            "submitted": t.submitted,
+            "sent": t.sent,
+            "accepted": t.accepted,
+            "duplicates": t.duplicates,
+            "spooled": t.spooled,
+            "spool_bytes": self._transport.spool.bytes_on_disk,
+            "queue_peak": t.queue_peak,
+            "dropped_events": self._health.dropped,
+            "agent_errors": self._health.errors,
+        }
+
+    def __repr__(self) -> str:
+        return f"Run(id={self.id!r}, rank={self.rank}, status={self.status!r})"
+
+
+__all__ = ["Run"]

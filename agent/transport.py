@@ -1,0 +1,349 @@
+"""The shipper: a background thread that gets events to the server without ever holding up
+training (knows nothing of torch).
+
+    training thread --submit()--> bounded queue --> shipper thread
+                                                     | encode, batch (<= batch_max_events,
+                                                     |   <= flush_interval_s old)
+                                                     |-- online:  gzip + POST (tenacity retries)
+                                                     |-- offline: append to the on-disk spool,
+                                                     |            probe the server with backoff,
+                                                     |            replay the spool oldest first
+
+`submit` is a `put_nowait`: when the queue is full (the shipper is far behind) the event is
+dropped and counted, the training thread never waits. Once anything sits in the spool, new
+events go behind it, so a rank's events reach the server in seq order; the server drops any
+(run, rank, seq) it already holds, so an event sent twice (a response lost after the server
+stored it) is stored once.
+
+A server that refuses the token (401/403) or the RunCreate gets nothing more from this
+process: events go to the spool, for `zerowatch upload` with the right token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from zerowatch.agent import codec
+from zerowatch.agent.client import (
+    IngestClient,
+    PayloadTooLarge,
+    ServerRejected,
+    ServerUnavailable,
+)
+from zerowatch.agent.errors import AgentHealth, log
+from zerowatch.agent.spool import Spool
+
+from zerowatch import events as ev
+
+#: Batches replayed from the spool before the shipper goes back to its queue.
+_REPLAY_BATCHES_PER_TURN = 16
+
+
+@dataclass
+class TransportStats:
+    """What the shipper did, for `Run.stats` and the benchmark."""
+
+    submitted: int = 0
+    sent: int = 0
+    accepted: int = 0
+    duplicates: int = 0
+    spooled: int = 0
+    queue_peak: int = 0
+    online: bool = False
+
+
+class Transport:
+    """Ships one rank's events; `submit` from the training thread, the rest on its own thread."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        run_create: bytes,
+        client: IngestClient | None,
+        spool: Spool,
+        health: AgentHealth,
+        queue_size: int,
+        batch_max_events: int,
+        flush_interval_s: float,
+        retry_max_wait_s: float,
+        http_timeout_s: float,
+        rank: int = 0,
+    ) -> None:
+        self.run_id = run_id
+        self._run_create = run_create
+        self._client = client
+        self.spool = spool
+        self._health = health
+        self._q: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        self._queue_size = queue_size
+        self._batch_max = batch_max_events
+        self._flush_interval = flush_interval_s
+        self._max_wait = retry_max_wait_s
+        self._http_timeout = http_timeout_s
+        self._stop = threading.Event()
+        self._deadline: float | None = None
+        self._disabled: str | None = None if client is not None else "no server"
+        self._run_created = False
+        self._offline = client is None
+        self._next_probe = 0.0
+        self._backoff = 0.0
+        self.stats = TransportStats()
+        self._thread = threading.Thread(
+            target=self._main, name=f"zerowatch-shipper-rank{rank}", daemon=True
+        )
+        spool.set_run(run_create)
+
+    # -- training-thread side ---------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, event: Any) -> None:
+        """Hand one event to the shipper; never blocks, never raises."""
+        try:
+            self._q.put_nowait(event)
+        except queue.Full:
+            self._health.drop(
+                1,
+                f"the agent's queue is full (queue_size={self._queue_size}); the shipper is behind",
+            )
+            return
+        stats = self.stats
+        stats.submitted += 1
+        size = self._q.qsize()
+        if size > stats.queue_peak:
+            stats.queue_peak = size
+
+    def close(self, end_event: ev.EndEvent | None, timeout_s: float) -> None:
+        """Send `end_event` last, flush, and stop the shipper within about `timeout_s`."""
+        self._deadline = time.monotonic() + timeout_s
+        if self._client is not None:
+            self._client.deadline = self._deadline
+        if end_event is not None:
+            try:
+                self._q.put(end_event, timeout=timeout_s)
+            except queue.Full:
+                self._health.drop(1, "the agent's queue is full at close")
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s + self._http_timeout + 1.0)
+        if self._thread.is_alive():
+            # Stuck beyond every bound (a request that ignores its timeout): spool what
+            # is still queued from here, so it survives the process.
+            self._health.warn_once(
+                "shipper-stuck",
+                "zerowatch agent: the shipper did not finish in time; spooling what is "
+                "queued to %s",
+                self.spool.run_dir,
+            )
+            lines = []
+            while True:
+                try:
+                    item = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                line = self._encode(item)
+                if line is not None:
+                    lines.append(line)
+            self.stats.spooled += self.spool.append(lines, final=True)
+        elif self.spool.pending:
+            server = self._client.server if self._client is not None else "URL"
+            log.warning(
+                "zerowatch: events of run %s wait in %s; send them with "
+                "`zerowatch upload %s --server %s`",
+                self.run_id,
+                self.spool.dir,
+                self.spool.run_dir,
+                server,
+            )
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+
+    # -- shipper thread ---------------------------------------------------------------
+
+    def _network_ok(self) -> bool:
+        if self._disabled is not None:
+            return False
+        return self._deadline is None or time.monotonic() < self._deadline
+
+    def _main(self) -> None:
+        try:
+            self._loop()
+        except Exception as e:  # the shipper must not die silently with events in hand
+            self._health.error("the shipper thread", e)
+        finally:
+            self.stats.online = not self._offline
+            self.spool.close()
+
+    def _loop(self) -> None:
+        pending: list[bytes] = []
+        last_flush = time.monotonic()
+        while True:
+            stopping = self._stop.is_set()
+            wait = (
+                0.0
+                if stopping
+                else max(0.0, self._flush_interval - (time.monotonic() - last_flush))
+            )
+            try:
+                item = self._q.get(timeout=wait) if wait > 0 else self._q.get_nowait()
+            except queue.Empty:
+                item = None
+            while item is not None:
+                if isinstance(item, ev.EndEvent):
+                    # Everything before it is shipped or spooled first, so its counts are final.
+                    self._ship(pending)
+                    pending = []
+                    item.dropped_events = self._health.dropped
+                    item.agent_errors = self._health.errors
+                    line = self._encode(item)
+                    if line is not None:
+                        self._ship([line], final=True)
+                    item = None
+                    continue
+                line = self._encode(item)
+                if line is not None:
+                    pending.append(line)
+                if len(pending) >= self._batch_max:
+                    break
+                try:
+                    item = self._q.get_nowait()
+                except queue.Empty:
+                    item = None
+            now = time.monotonic()
+            if pending and (
+                len(pending) >= self._batch_max
+                or now - last_flush >= self._flush_interval
+                or stopping
+            ):
+                self._ship(pending)
+                pending = []
+                last_flush = now
+            elif not pending:
+                last_flush = now
+                if self._offline and self.spool.pending:
+                    self._replay()
+            if stopping and self._q.empty() and not pending:
+                self._drain_spool()
+                return
+
+    def _encode(self, event: Any) -> bytes | None:
+        try:
+            return codec.dumps(codec.to_dict(event))
+        except Exception as e:
+            self._health.error("encoding an event", e)
+            self._health.drop(1, "an event could not be encoded")
+            return None
+
+    def _ship(self, lines: list[bytes], *, final: bool = False) -> None:
+        if not lines:
+            return
+        if self._offline or self.spool.pending or not self._network_ok():
+            self.stats.spooled += self.spool.append(lines, final=final)
+            self._replay()
+            return
+        try:
+            self._send(lines, retry=self._deadline is None)
+        except ServerUnavailable as e:
+            self._go_offline(e)
+            self.stats.spooled += self.spool.append(lines, final=final)
+
+    def _ensure_run(self) -> None:
+        if self._run_created:
+            return
+        assert self._client is not None
+        try:
+            self._client.create_run(self._run_create)
+        except ServerRejected as e:
+            self._disable(f"the server refused the run ({e})")
+            raise ServerUnavailable(str(e)) from e
+        self._run_created = True
+
+    def _send(self, lines: list[bytes], *, retry: bool) -> None:
+        """POST lines as one or more batches; raises ServerUnavailable to go offline."""
+        assert self._client is not None
+        self._ensure_run()
+        try:
+            res = self._client.post_events(
+                self.run_id, codec.batch_body(self.run_id, lines), retry=retry
+            )
+        except PayloadTooLarge:
+            if len(lines) == 1:
+                self._health.drop(1, "an event is larger than the server's size limit (413)")
+                return
+            half = len(lines) // 2
+            self._send(lines[:half], retry=retry)
+            self._send(lines[half:], retry=retry)
+            return
+        except ServerRejected as e:
+            if e.status in (401, 403):
+                self._disable(f"the server refused the token ({e})")
+                raise ServerUnavailable(str(e)) from e
+            self._health.drop(len(lines), f"the server rejected a batch ({e})")
+            return
+        self.stats.sent += len(lines)
+        self.stats.accepted += res.accepted
+        self.stats.duplicates += res.duplicates
+
+    def _disable(self, why: str) -> None:
+        self._disabled = why
+        self._health.warn_once(
+            "disabled",
+            "zerowatch agent: %s; events of run %s go to the spool %s for `zerowatch upload`",
+            why,
+            self.run_id,
+            self.spool.run_dir,
+        )
+
+    def _go_offline(self, why: Exception) -> None:
+        if not self._offline:
+            self._health.warn_once(
+                "offline",
+                "zerowatch agent: server unreachable (%s); spooling events to %s and retrying "
+                "in the background",
+                why,
+                self.spool.run_dir,
+            )
+        self._offline = True
+        self._backoff = min(max(self._backoff * 2, 0.1), self._max_wait)
+        # Full jitter: ranks that lost the server together do not come back in lockstep.
+        self._next_probe = time.monotonic() + random.uniform(0.5, 1.0) * self._backoff
+
+    def _replay(self, *, max_batches: int = _REPLAY_BATCHES_PER_TURN) -> None:
+        """Send the spool oldest first; stop at the first failure (and probe again later)."""
+        if not self._network_ok() or time.monotonic() < self._next_probe:
+            return
+        for _ in range(max_batches):
+            lines, offset = self.spool.read_batch(self._batch_max)
+            if not lines:
+                self._offline = False
+                self._backoff = 0.0
+                return
+            try:
+                self._send(lines, retry=False)
+            except ServerUnavailable as e:
+                self._go_offline(e)
+                return
+            self.spool.commit(offset)
+        # More left: the loop calls again after it has looked at its queue.
+
+    def _drain_spool(self) -> None:
+        """At close: replay the spool while the server takes it and the deadline allows; a
+        server still away gets one more try (with retries), not a wait."""
+        while self.spool.pending and self._network_ok():
+            before = self.stats.sent
+            self._next_probe = 0.0
+            self._replay()
+            if self.stats.sent == before:
+                return
+
+
+__all__ = ["Transport", "TransportStats"]

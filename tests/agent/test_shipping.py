@@ -1,0 +1,177 @@
+"""Shipping under faults, one process with a fake engine: a server answering 500s, hanging,
+refusing the token or the batch size, and a spool that is full or cannot be written.
+Training never waits on any of it, and nothing is lost that the bound did not drop (the
+multi-rank tests against the real server are in test_multirank_faults.py)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import time
+
+from zerowatch.agent.upload import upload_spool
+
+import zerowatch
+
+FAST = {"flush_interval_s": 0.05, "retry_max_wait_s": 0.2, "http_timeout_s": 1.0}
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def wait_for(cond, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def step_times(engine, run=None, n: int = 30) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        engine.train_step()
+        if run is not None:
+            run.log(loss=1.0)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def test_events_reach_the_server_gzipped_in_order_with_the_token(
+    fake_engine, fake_server, spool_root
+):
+    server = fake_server("ok")
+    with zerowatch.instrument(fake_engine, server=server.url, token="s3cret",
+                              spool_dir=spool_root, **FAST) as run:  # fmt: skip
+        step_times(fake_engine, run, 10)
+    assert [e["step"] for e in server.steps()] == list(range(10))
+    assert [k[1] for k in server.order] == list(range(11))  # 10 steps + the end, by seq
+    assert server.events[(0, 10)]["kind"] == "end"
+    assert server.runs and server.runs[0]["run_id"] == run.id
+    event_posts = [h for h in server.headers if h.get("Content-Encoding") == "gzip"]
+    assert event_posts and all(h["Authorization"] == "Bearer s3cret" for h in server.headers)
+    assert not spool_root.exists() or not any(spool_root.rglob("*.jsonl"))
+
+
+def test_server_answering_500_costs_training_nothing_and_loses_nothing(
+    fake_engine, fake_server, spool_root
+):
+    server = fake_server("500")
+    baseline = step_times(fake_engine, None, 20)
+    run = zerowatch.instrument(fake_engine, server=server.url, spool_dir=spool_root, **FAST)
+    with_agent = step_times(fake_engine, run, 30)
+    assert server.requests >= 3  # it really tried
+    assert statistics.median(with_agent) < 1.15 * statistics.median(baseline)
+    assert max(with_agent) < 0.1
+    assert wait_for(lambda: run.stats["spooled"] >= 29)  # all but the open step, on disk
+    server.mode = "ok"  # the server recovers before the end: the spool is replayed
+    run.close()
+    assert [e["step"] for e in server.steps()] == list(range(20, 50))  # the engine's step count
+    assert server.events[(0, 30)]["kind"] == "end"
+
+
+def test_hanging_server_costs_training_nothing_and_the_spool_keeps_every_step(
+    fake_engine, fake_server, spool_root
+):
+    server = fake_server("hang")
+    baseline = step_times(fake_engine, None, 20)
+    run = zerowatch.instrument(fake_engine, server=server.url, spool_dir=spool_root,
+                               **{**FAST, "close_timeout_s": 0.5})  # fmt: skip
+    with_agent = step_times(fake_engine, run, 30)
+    assert statistics.median(with_agent) < 1.15 * statistics.median(baseline)
+    assert max(with_agent) < 0.1
+    t0 = time.monotonic()
+    run.close()
+    assert time.monotonic() - t0 < 0.5 + FAST["http_timeout_s"] + 2.0  # bounded, not hung
+    good = fake_server("ok")
+    result = upload_spool(spool_root, good.url)
+    assert result.ok, result.summary()
+    assert [e["step"] for e in good.steps()] == list(range(20, 50))
+    assert good.events[(0, 30)]["kind"] == "end"
+
+
+def test_refused_token_sends_everything_to_the_spool_for_upload(
+    fake_engine, fake_server, spool_root
+):
+    server = fake_server("401")
+    with zerowatch.instrument(fake_engine, server=server.url, spool_dir=spool_root, **FAST) as run:
+        step_times(fake_engine, run, 5)
+    assert server.requests == 1  # asked once (the RunCreate), then never again
+    good = fake_server("ok")
+    assert upload_spool(spool_root / run.id, good.url).ok
+    assert len(good.steps()) == 5
+
+
+def test_batches_over_the_size_limit_are_split(fake_engine, fake_server, spool_root):
+    server = fake_server("ok", max_batch=3)
+    with zerowatch.instrument(fake_engine, server=server.url, spool_dir=spool_root,
+                              **{**FAST, "flush_interval_s": 5.0, "batch_max_events": 10}) as run:  # fmt: skip
+        step_times(fake_engine, run, 12)
+    assert [e["step"] for e in server.steps()] == list(range(12))
+    assert run.stats["dropped_events"] == 0
+
+
+def test_full_spool_drops_are_counted_reported_and_training_goes_on(
+    fake_engine, fake_server, spool_root
+):
+    url = closed_port_url()  # nothing listens: the server is down the whole run
+    run = zerowatch.instrument(fake_engine, server=url, spool_dir=spool_root,
+                               max_spool_bytes=40_000, **FAST)  # fmt: skip
+    times = step_times(fake_engine, run, 40)
+    run.close()
+    assert max(times) < 0.1
+    dropped = run.stats["dropped_events"]
+    assert 0 < dropped < 40
+    good = fake_server("ok")
+    assert upload_spool(spool_root, good.url).ok
+    steps = good.steps()
+    assert len(steps) == 40 - dropped
+    assert [e["step"] for e in steps] == list(range(len(steps)))  # the oldest are kept
+    end = good.events[(0, 40)]
+    assert end["kind"] == "end" and end["dropped_events"] == dropped
+
+
+def test_unwritable_spool_loses_events_but_not_training(fake_engine, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    run = zerowatch.instrument(fake_engine, spool_dir=not_a_dir, **FAST)  # no server either
+    times = step_times(fake_engine, run, 10)
+    run.close()
+    assert max(times) < 0.1
+    assert run.stats["dropped_events"] == 11  # 10 steps and the end event
+    assert run.stats["agent_errors"] == 0
+
+
+def test_upload_of_a_spool_twice_stores_each_step_once(fake_engine, fake_server, spool_root):
+    with zerowatch.instrument(fake_engine, spool_dir=spool_root, **FAST) as run:
+        step_times(fake_engine, run, 7)
+    segs = list((spool_root / run.id).rglob("*.jsonl"))
+    assert segs and json.loads((spool_root / run.id / "run.json").read_text())["run_id"] == run.id
+    good = fake_server("ok")
+    first, second = upload_spool(spool_root, good.url), upload_spool(spool_root, good.url)
+    assert first.ok and second.ok
+    assert (first.accepted, first.duplicates) == (8, 0)
+    assert (second.accepted, second.duplicates) == (0, 8)
+    assert "8 events" in first.summary()
+
+
+def test_upload_of_a_folder_that_is_not_a_spool_fails_clearly(tmp_path, fake_server):
+    result = upload_spool(tmp_path, fake_server("ok").url)
+    assert not result.ok and "run.json" in result.summary()
+
+
+def test_torn_last_line_is_skipped_on_upload(fake_engine, fake_server, spool_root):
+    with zerowatch.instrument(fake_engine, spool_dir=spool_root, **FAST) as run:
+        step_times(fake_engine, run, 3)
+    seg = sorted((spool_root / run.id).rglob("*.jsonl"))[-1]
+    with open(seg, "ab") as f:
+        f.write(b'{"kind":"step","rank":0,"se')  # a crash mid-write
+    good = fake_server("ok")
+    assert upload_spool(spool_root, good.url).ok
+    assert len(good.steps()) == 3
