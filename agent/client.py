@@ -75,6 +75,16 @@ def _check(resp: httpx.Response, *, missing_run_is_transient: bool) -> None:
     raise ServerRejected(code, _detail(resp))
 
 
+class _StopAtDeadline(tenacity.stop.stop_base):
+    """Stop retrying once the client's deadline (set at close) has passed."""
+
+    def __init__(self, client: IngestClient) -> None:
+        self._client = client
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        return self._client._past_deadline()
+
+
 class IngestClient:
     """Blocking client of one server; used from the shipper thread and by `upload`."""
 
@@ -98,14 +108,13 @@ class IngestClient:
         self.deadline: float | None = None
         self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout_s)
         self._retrying = tenacity.Retrying(
-            stop=tenacity.stop_after_attempt(max(attempts, 1))
-            | tenacity.stop_any(self._past_deadline),
+            stop=tenacity.stop_after_attempt(max(attempts, 1)) | _StopAtDeadline(self),
             wait=tenacity.wait_random_exponential(multiplier=0.1, max=max_wait_s),
             retry=tenacity.retry_if_exception_type(ServerUnavailable),
             reraise=True,
         )
 
-    def _past_deadline(self, _state: Any = None) -> bool:
+    def _past_deadline(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
     def _post(self, path: str, *, missing_run_is_transient: bool, **kw: Any) -> httpx.Response:
