@@ -86,7 +86,7 @@ def test_memory_puts_peaks_measured_and_theory_in_one_chart():
         {0: {"params": gib, "host_optimizer_states": 8 * gib}, 1: {"params": gib}},
         {"params": gib, "grads": gib, "host_optimizer_states": 8 * gib},
         stage=3,
-        capacity_bytes=80 * gib,
+        capacity_bytes=40 * gib,
     )
     assert names(fig) == [
         "peak in forward",
@@ -100,7 +100,16 @@ def test_memory_puts_peaks_measured_and_theory_in_one_chart():
     assert list(fig.data[2].y) == pytest.approx([1.0, 1.0])
     assert list(fig.data[3].y) == pytest.approx([2.0, 2.0])
     assert fig.layout.yaxis.title.text == "memory (GiB)"
-    assert fig.layout.shapes[0].y0 == pytest.approx(80.0)
+    assert fig.layout.shapes[0].y0 == pytest.approx(40.0)
+    assert "device capacity 40 GiB" in fig.layout.annotations[0].text
+
+
+def test_memory_names_a_capacity_that_would_flatten_the_bars_instead_of_drawing_it():
+    mib = 2**20
+    fig = run.memory({0: {"forward": 300 * mib}}, {}, {"params": 100 * mib}, stage=1,
+                     capacity_bytes=80 * 2**30)  # fmt: skip
+    assert not fig.layout.shapes
+    assert "device capacity 80 GiB, off the scale" in fig.layout.title.text
 
 
 def test_offload_plots_each_direction_in_gbps():

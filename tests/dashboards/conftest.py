@@ -1,0 +1,129 @@
+"""Fixtures of the dashboards' browser tests: a real headless Chromium (Debian's, driven by
+Playwright, never downloaded), a live zerowatch server holding runs of ZeRO stages 1, 2 and
+3 plus a run whose name is markup, and the folder screenshots go to.
+
+Screenshots: $ZEROWATCH_ARTIFACTS/screenshots (default: artifacts/screenshots in the
+repository); the path is printed at the end of the test session.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from zerowatch import simulate as sim
+
+REPO = Path(__file__).resolve().parents[2]
+SCREENSHOTS = Path(os.environ.get("ZEROWATCH_ARTIFACTS", REPO / "artifacts")) / "screenshots"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]  # fmt: skip
+XSS_NAME = "<script>alert(1)</script>"
+_taken: list[Path] = []
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
+    if _taken:
+        terminalreporter.write_line(f"dashboards: {len(_taken)} screenshots in {SCREENSHOTS}")
+
+
+def screenshot(page, name: str) -> Path:  # type: ignore[no-untyped-def]
+    """Save a full-page screenshot as SCREENSHOTS/name.png."""
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    path = SCREENSHOTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    _taken.append(path)
+    return path
+
+
+@dataclass
+class Seeded:
+    """A live server and the runs it holds."""
+
+    server: object
+    stages: dict[int, str] = field(default_factory=dict)
+    xss: str = ""
+
+    @property
+    def url(self) -> str:
+        return self.server.url  # type: ignore[attr-defined,no-any-return]
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[object]:
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"chromium not found at {CHROMIUM}: run .ci/system-deps")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        # Playwright gives the browser a fresh profile of its own (no --user-data-dir).
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        yield b
+        b.close()
+
+
+@dataclass
+class PageProbe:
+    """A browser page that records console errors, page errors and dialogs."""
+
+    page: object
+    errors: list[str] = field(default_factory=list)
+    dialogs: list[str] = field(default_factory=list)
+
+
+@pytest.fixture
+def probe(browser) -> Iterator[PageProbe]:  # type: ignore[no-untyped-def]
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    page = context.new_page()
+    out = PageProbe(page=page)
+    page.on("console", lambda m: out.errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: out.errors.append(f"page error: {e}"))
+
+    def on_dialog(d) -> None:  # type: ignore[no-untyped-def]
+        out.dialogs.append(d.message)
+        d.dismiss()
+
+    page.on("dialog", on_dialog)
+    yield out
+    context.close()
+
+
+def seed_runs(server_url: str) -> tuple[dict[int, str], str]:
+    """Runs of stages 1, 2 (CPU offload) and 3 (fp16, a straggler) of one model, plus a run
+    whose name, project, tags and config are markup."""
+    from support.dashboard_runs import post_simulated_run
+
+    stages = {}
+    for stage in (1, 2, 3):
+        spec = sim.SimSpec(
+            name=f"gpt-125m stage {stage}", project="zero-stages", tags=(f"stage{stage}", "demo"),
+            world_size=4, stage=stage, offload_optimizer=stage == 2,
+            precision="fp16" if stage == 3 else "bf16", straggler_rank=2 if stage == 3 else None,
+            step_time_s=0.4 + 0.05 * stage, seed=stage, spans_every=5,
+        )  # fmt: skip
+        stages[stage] = post_simulated_run(
+            server_url, spec, 40, end="finished" if stage != 3 else None
+        )
+    xss_spec = sim.SimSpec(name=XSS_NAME, project="<b>markup</b>", tags=("<img src=x onerror=alert(2)>",),
+                           world_size=2, stage=1, seed=9)  # fmt: skip
+    xss = post_simulated_run(
+        server_url, xss_spec, 10,
+        config={"note": "</script><script>alert(3)</script>", "zero_optimization": {"stage": 1}},
+    )  # fmt: skip
+    return stages, xss
+
+
+@pytest.fixture(scope="module")
+def seeded() -> Iterator[Seeded]:
+    from support.live_server import LiveServer
+
+    with LiveServer(settings={"stalled_after_s": 3600}) as server:
+        stages, xss = seed_runs(server.url)
+        yield Seeded(server=server, stages=stages, xss=xss)

@@ -1,0 +1,112 @@
+"""Runs for the dashboards' tests: simulated runs posted to a live server's ingest API, and a
+big simulated run stored fast.
+
+`post_simulated_run(server_url, spec, steps)` creates a run and posts its events through
+`/api/v1` exactly as an agent would (JSON batches), optionally with each rank's end event.
+
+`store_big_run(db, rank_steps=1_000_000)` ingests the first `seed_steps` steps of a
+simulated run (zerowatch.simulate) through the store's own ingest, so every row is exactly
+what ingest writes, then doubles the run in SQL (`INSERT ... SELECT` of the stored rows
+shifted by the steps already stored) until it holds `rank_steps` rank-steps, and brings the
+per-rank counters up to date. Ingesting a million rank-steps one batch at a time would take
+minutes; the pages under test only read, so how the rows got there does not matter to them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import httpx
+from sqlalchemy import func, insert, literal, select, update
+from zerowatch.server import models as m
+from zerowatch.server import store
+from zerowatch.server.db import Database
+
+from zerowatch import events as ev
+from zerowatch import simulate as sim
+
+
+def post_simulated_run(
+    server_url: str,
+    spec: sim.SimSpec,
+    n_steps: int,
+    *,
+    start: int = 0,
+    run_id: str | None = None,
+    end: str | None = None,
+    config: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+) -> str:
+    """Create (or reuse) a run and post `n_steps` steps of every rank; returns the run id.
+
+    Args:
+        end: "finished" or "failed" to close every rank after the steps; None keeps it running.
+        config: replaces the simulated run's resolved config.
+    """
+    api = server_url.rstrip("/") + "/api/v1"
+    rc = sim.run_create(spec, run_id=run_id)
+    if config is not None:
+        rc = dataclasses.replace(rc, config=config)
+    with httpx.Client(timeout=30, headers=headers) as client:
+        client.post(f"{api}/runs", json=dataclasses.asdict(rc)).raise_for_status()
+        events: list[Any] = [e for step in sim.steps(spec, n_steps, start=start) for e in step]
+        if end is not None:
+            seq = start + n_steps
+            events += [ev.EndEvent(rank=r, seq=seq, time=events[-1].time, status=end)
+                       for r in range(spec.world_size)]  # fmt: skip
+        for i in range(0, len(events), 200):
+            body = {"schema_version": ev.SCHEMA_VERSION, "run_id": rc.run_id,
+                    "events": [dataclasses.asdict(e) for e in events[i : i + 200]]}  # fmt: skip
+            client.post(f"{api}/runs/{rc.run_id}/events", json=body).raise_for_status()
+    return rc.run_id
+
+
+def _copy_shifted(conn, table, pk: int, offset: int, step_time_s: float) -> None:
+    cols = list(table.c)
+    exprs = []
+    for c in cols:
+        if c.name in ("seq", "step"):
+            exprs.append(c + literal(offset))
+        elif c.name == "time":
+            exprs.append(c + literal(offset * step_time_s))
+        else:
+            exprs.append(c)
+    conn.execute(
+        insert(table).from_select([c.name for c in cols], select(*exprs).where(table.c.run == pk))
+    )
+
+
+def store_big_run(
+    db: Database,
+    *,
+    rank_steps: int = 1_000_000,
+    world_size: int = 8,
+    seed_steps: int = 250,
+    name: str = "big run",
+) -> tuple[str, int]:
+    """Store a run of about `rank_steps` rank-steps; returns (run_id, rank-steps stored)."""
+    spec = sim.SimSpec(name=name, stage=3, world_size=world_size, straggler_rank=3,
+                       spans_every=0, grad_spike_at=seed_steps // 2)  # fmt: skip
+    rc = sim.run_create(spec)
+    store.create_run(db, run=rc)
+    events = [e for step in sim.steps(spec, seed_steps) for e in step]
+    for i in range(0, len(events), 1000):
+        batch = ev.EventBatch(run_id=rc.run_id, events=events[i : i + 1000])
+        store.ingest_batch(db, run_id=rc.run_id, batch=batch)
+    steps = seed_steps
+    doublings = max(0, math.ceil(math.log2(rank_steps / (seed_steps * world_size))))
+    with db.write() as conn:
+        pk = conn.execute(select(m.runs.c.id).where(m.runs.c.run_id == rc.run_id)).scalar_one()
+        for _ in range(doublings):
+            for table in (m.steps, m.collectives):
+                _copy_shifted(conn, table, pk, steps, spec.step_time_s)
+            steps *= 2
+        conn.execute(
+            update(m.rank_states)
+            .where(m.rank_states.c.run == pk)
+            .values(steps=steps, last_step=steps - 1)
+        )
+        stored = conn.execute(select(func.count()).where(m.steps.c.run == pk)).scalar_one()
+    return rc.run_id, int(stored)
