@@ -65,6 +65,26 @@ def _install_error_handlers(app: FastAPI) -> None:
         )
 
 
+class RejectNulMiddleware:
+    """400 for a URL whose path or query holds a NUL (PostgreSQL text cannot store one)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and (
+            b"%00" in scope.get("query_string", b"")
+            or "\x00" in scope.get("path", "")
+            or b"%00" in scope.get("raw_path", b"")
+        ):
+            response = JSONResponse(
+                {"detail": "the URL must not contain NUL characters (%00)"}, status_code=400
+            )
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 def _warm_live_cache(db: Database, live: LiveCache, settings: Settings) -> None:
     for run in queries.live_runs(db=db, since=time.time() - settings.finished_grace_s):
         live.register(run)
@@ -123,6 +143,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.db = db
     app.state.live = live
     _install_error_handlers(app)
+    app.add_middleware(RejectNulMiddleware)
     app.include_router(api.router)
 
     @app.get("/healthz", tags=["health"])

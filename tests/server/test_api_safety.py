@@ -201,3 +201,24 @@ def test_reads_can_require_the_token(tmp_path: Path) -> None:
         assert c.get("/api/v1/runs", headers={"Authorization": "Bearer bad"}).status_code == 403
         assert c.get("/api/v1/runs", headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert c.get("/healthz").status_code == 200
+
+
+def test_hostile_strings_are_refused_or_stored_on_both_databases(db_url: str) -> None:
+    """What PostgreSQL cannot store (NUL, lone surrogates) is a 4xx, never a 500; odd but
+    valid text (quotes, markup, non-ASCII) round-trips as data."""
+    with TestClient(create_app(Settings(db_url=db_url))) as c:
+        rc = asdict(simulate.run_create(SPEC))
+        hdr = {"Content-Type": "application/json"}
+        for text in ('"a\\u0000b"', '"\\ud800x"'):
+            body = json.dumps({**rc, "name": "PLACEHOLDER"}).replace('"PLACEHOLDER"', text)
+            r = c.post("/api/v1/runs", content=body, headers=hdr)
+            assert r.status_code == 422, r.text
+        assert c.get("/api/v1/runs", params={"project": "a\x00b"}).status_code == 400
+        assert c.get("/api/v1/runs/a%00b").status_code == 400
+        odd = "<script>alert('x')</script> \"ünï\" ✓ 😀"
+        r = c.post("/api/v1/runs", json={**rc, "name": odd, "tags": [odd], "config": {odd: odd}})
+        assert r.status_code == 201
+        got = c.get(f"/api/v1/runs/{rc['run_id']}").json()
+        assert (got["name"], got["tags"], got["config"]) == (odd, [odd], {odd: odd})
+        assert c.get("/api/v1/runs", params={"tag": odd}).json()["runs"][0]["name"] == odd
+        assert c.get("/api/v1/runs/" + "x" * 300).status_code == 422
