@@ -96,6 +96,7 @@ def instrument(
     tags: list[str] | None = None,
     token: str | None = None,
     spool_dir: str | os.PathLike[str] | None = None,
+    optimizer: Any = None,
     **kw: Any,
 ) -> Run:
     """Attach the in-process agent to `engine` on this rank; call it on every rank.
@@ -111,6 +112,8 @@ def instrument(
         token: the ingest token; default `$ZEROWATCH_TOKEN`.
         spool_dir: where the spool lives; this run's is `<spool_dir>/<run_id>/`
             (default `./zerowatch-spool/<run_id>/`).
+        optimizer: FSDP2 only: the optimizer stepping the `fully_shard` model (its step
+            hooks mark where each step ends).
         **kw: `AgentConfig` fields (spans_every, peak_flops, max_spool_bytes, ...).
 
     Returns:
@@ -130,7 +133,7 @@ def instrument(
         if server
         else None
     )  # fmt: skip
-    adapter = select_adapter(engine)
+    adapter = select_adapter(engine, optimizer=optimizer)
     job = adapter.info()
     health = AgentHealth()
     run_id, started, hosts = _agree(adapter, job, run, health)

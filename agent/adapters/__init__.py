@@ -7,35 +7,62 @@ One file per engine; each exposes `matches(obj) -> bool` and an adapter class sa
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
 from zerowatch.agent.adapters import zerowatch_engine
 from zerowatch.agent.adapters.base import EngineAdapter, JobInfo, StepStats
 
+
+def _lazy(module: str, name: str) -> Callable[..., Any]:
+    """`zerowatch.agent.adapters.<module>.<name>`, imported on first call (they need torch)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        target = getattr(importlib.import_module(f"zerowatch.agent.adapters.{module}"), name)
+        return target(*args, **kwargs)
+
+    return call
+
+
 #: (name, matches, adapter class), tried in order.
-ADAPTERS: list[tuple[str, Callable[[Any], bool], Callable[[Any], EngineAdapter]]] = [
+ADAPTERS: list[tuple[str, Callable[[Any], bool], Callable[..., EngineAdapter]]] = [
+    ("deepspeed", _lazy("deepspeed", "matches"), _lazy("deepspeed", "DeepSpeedAdapter")),
+    ("fsdp2", _lazy("fsdp2", "matches"), _lazy("fsdp2", "FSDP2Adapter")),
     ("zerowatch", zerowatch_engine.matches, zerowatch_engine.ZeroWatchEngineAdapter),
 ]
 
+#: Keyword options of `instrument()` that go to an adapter, by adapter name.
+ADAPTER_OPTIONS: dict[str, tuple[str, ...]] = {"fsdp2": ("optimizer",)}
 
-def select_adapter(obj: Any) -> EngineAdapter:
+
+def select_adapter(obj: Any, **options: Any) -> EngineAdapter:
     """The adapter for `obj` (an adapter passes through as-is).
 
+    Args:
+        obj: the engine (or FSDP2 root module) given to `instrument()`.
+        **options: adapter options from `instrument()` (`optimizer=` for FSDP2).
+
     Raises:
-        TypeError: naming the type when no adapter understands `obj`.
+        TypeError: naming the type when no adapter understands `obj`, or naming an
+            option the matching adapter does not take.
     """
     if isinstance(obj, EngineAdapter):
         return obj
-    for _name, matches, factory in ADAPTERS:
+    for name, matches, factory in ADAPTERS:
         if matches(obj):
-            return factory(obj)
+            taken = ADAPTER_OPTIONS.get(name, ())
+            for key, value in options.items():
+                if key not in taken and value is not None:
+                    raise TypeError(f"{key}: a {name} engine takes no {key}= in instrument()")
+            return factory(obj, **{k: v for k, v in options.items() if k in taken})
     known = ", ".join(name for name, _, _ in ADAPTERS)
     raise TypeError(
         f"engine: zerowatch.instrument() does not know how to instrument a "
         f"{type(obj).__module__}.{type(obj).__qualname__}; supported: {known} "
-        f"(the engine returned by zerowatch.initialize)"
+        f"(the engine returned by zerowatch.initialize or deepspeed.initialize, or a "
+        f"model wrapped by torch.distributed.fsdp.fully_shard)"
     )
 
 
-__all__ = ["ADAPTERS", "EngineAdapter", "JobInfo", "StepStats", "select_adapter"]
+__all__ = ["ADAPTERS", "ADAPTER_OPTIONS", "EngineAdapter", "JobInfo", "StepStats", "select_adapter"]

@@ -1,0 +1,430 @@
+"""See a foreign engine's collectives by wrapping torch.distributed for the life of a run.
+
+The bundled engine reports its collectives itself (engine/comm.py). DeepSpeed and FSDP2
+do not, and zerowatch does not edit them; instead, while a run is attached, the collective
+functions of `torch.distributed` are replaced by thin wrappers that time each call, size
+it the nccl-tests way and hand a `CollectiveRecord` to whoever listens. Closing the run
+puts the original functions back. This is the one module besides engine/comm.py that
+touches torch.distributed's collective functions.
+
+What is wrapped, and where: each name below in both `torch.distributed` and
+`torch.distributed.distributed_c10d` (code calls either; the deprecated spellings call
+the new ones through the latter's globals). Engines that captured a function object before
+the run began (DeepSpeed's comm backend keeps `all_gather_into_tensor` and
+`reduce_scatter_tensor` from its start-up) still arrive here, because in torch 2.13 those
+call `all_gather_single` / `reduce_scatter_single` by global name. A call made from inside
+another wrapped call (the deprecated spelling calling the new one, `broadcast_object_list`
+calling `broadcast`) is counted once, by the outermost wrapper.
+
+Sizes (nccl-tests "size"): all-gather output, reduce-scatter input, all-reduce buffer,
+broadcast buffer; list forms sum their tensors.
+
+Asynchronous calls return a `TimedWork` (a `torch.distributed.Work` subclass, so engines
+that check `isinstance(work, Work)` still wait on it): the call's end comes from the
+work's future callback, and the time the training thread spends inside `wait()` is the
+exposed communication time. A synchronous call is all exposed.
+
+Not seen: DeepSpeed's shared-memory all-reduce (`deepspeed.comm.inference_all_reduce`,
+used by AutoTP inference layers, not by ZeRO training), point-to-point sends, `reduce`,
+`all_to_all` and `barrier` (none of them is in zerowatch's vocabulary of collectives).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from zerowatch.engine.hooks import CollectiveRecord
+
+log = logging.getLogger("zerowatch.agent")
+
+#: Decides a call's purpose from its op (the adapter knows the phase it is in).
+Classifier = Callable[[str], str]
+#: Receives each finished record (any thread).
+Sink = Callable[[CollectiveRecord], None]
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """How to read one collective function's arguments."""
+
+    op: str
+    #: Positional parameter names, in order, as the function declares them.
+    params: tuple[str, ...]
+    #: The parameter whose tensor (or list of tensors) is the nccl-tests size.
+    sized: str
+
+
+_AG_OUT = ("output_tensor", "input_tensor", "group", "async_op")
+_RS = ("output", "input", "op", "group", "async_op")
+
+#: torch.distributed collective functions and how to size them.
+SPECS: dict[str, _Spec] = {
+    "all_gather_single": _Spec("all_gather", _AG_OUT, "output_tensor"),
+    "all_gather_into_tensor": _Spec("all_gather", _AG_OUT, "output_tensor"),
+    "_all_gather_base": _Spec("all_gather", _AG_OUT, "output_tensor"),
+    "all_gather": _Spec(
+        "all_gather", ("tensor_list", "tensor", "group", "async_op"), "tensor_list"
+    ),
+    "reduce_scatter_single": _Spec("reduce_scatter", _RS, "input"),
+    "reduce_scatter_tensor": _Spec("reduce_scatter", _RS, "input"),
+    "_reduce_scatter_base": _Spec("reduce_scatter", _RS, "input"),
+    "reduce_scatter": _Spec(
+        "reduce_scatter", ("output", "input_list", "op", "group", "async_op"), "input_list"
+    ),
+    "all_reduce": _Spec("all_reduce", ("tensor", "op", "group", "async_op"), "tensor"),
+    "all_reduce_coalesced": _Spec("all_reduce", ("tensors", "op", "group", "async_op"), "tensors"),
+    "broadcast": _Spec("broadcast", ("tensor", "src", "group", "async_op"), "tensor"),
+}
+
+#: Functions whose inner collectives must not be counted (they are not the engine's).
+_OPAQUE = ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
+           "barrier", "monitored_barrier")  # fmt: skip
+
+_NAMESPACES = (dist, c10d)
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], spec: _Spec, name: str) -> Any:
+    i = spec.params.index(name)
+    return args[i] if len(args) > i else kwargs.get(name)
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return int(value.numel()) * int(value.element_size())
+    if isinstance(value, Sequence):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+class _State(threading.local):
+    depth = 0
+
+
+_local = _State()
+
+
+class _WorldSizes:
+    """Process-group sizes, looked up once per group."""
+
+    def __init__(self) -> None:
+        self._by_group: dict[int, int] = {}
+
+    def __call__(self, group: Any) -> int:
+        key = id(group)
+        size = self._by_group.get(key)
+        if size is None:
+            size = self._by_group[key] = int(dist.get_world_size(group))
+        return size
+
+
+class TimedWork(dist.Work):
+    """An async collective's work, timed: completion from its future, exposure in wait()."""
+
+    def __init__(self, inner: Any, tap: _Hub, op: str, nbytes: int, world: int, start: float,
+                 purpose: str, cuda_start: Any) -> None:  # fmt: skip
+        super().__init__()
+        self._inner = inner
+        self._hub = tap
+        self._op, self._nbytes, self._world, self._start = op, nbytes, world, start
+        self._purpose = purpose
+        self._cuda_start = cuda_start
+        self._end: float | None = None
+        self._exposed = 0.0
+        self._waited = False
+        self._reported = False
+        self._lock = threading.Lock()
+        self._has_future = False
+        if cuda_start is None:
+            try:
+                fut = inner.get_future()
+            except (RuntimeError, AttributeError):
+                fut = None
+            if fut is not None:
+                self._has_future = True
+                fut.add_done_callback(self._on_done)
+
+    def _on_done(self, _fut: Any) -> None:
+        self._end = time.perf_counter()
+        if self._waited:
+            self._report(None)
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._waited:
+            return True
+        t0 = time.perf_counter()
+        result = self._inner.wait() if timeout is None else self._inner.wait(timeout)
+        t1 = time.perf_counter()
+        self._exposed = t1 - t0
+        cuda_events = None
+        if self._cuda_start is not None:
+            end_ev = torch.cuda.Event(enable_timing=True)
+            end_ev.record()
+            cuda_events = (self._cuda_start, end_ev)
+        if self._end is None and not self._has_future:
+            self._end = t1
+        self._waited = True
+        if self._end is not None or cuda_events is not None:
+            self._report(cuda_events)
+        return bool(result) if result is not None else True
+
+    def _report(self, cuda_events: Any) -> None:
+        with self._lock:  # the future callback and wait() may race
+            if self._reported:
+                return
+            self._reported = True
+        end = self._end if self._end is not None else time.perf_counter()
+        self._hub.emit(self._op, self._purpose, self._nbytes, self._world, self._start, end,
+                       True, self._exposed, cuda_events)  # fmt: skip
+
+    # Everything else is the inner work's.
+    def is_completed(self) -> bool:
+        return bool(self._inner.is_completed())
+
+    def is_success(self) -> bool:
+        return bool(self._inner.is_success())
+
+    def exception(self) -> Any:
+        return self._inner.exception()
+
+    def source_rank(self) -> int:
+        return int(self._inner.source_rank())
+
+    def result(self) -> Any:
+        return self._inner.result()
+
+    def synchronize(self) -> None:
+        self._inner.synchronize()
+
+    def get_future(self) -> Any:
+        return self._inner.get_future()
+
+    def get_future_result(self) -> Any:
+        return self._inner.get_future_result()
+
+
+class _Hub:
+    """The installed wrappers and the taps listening to them (one set per process)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.taps: tuple[CollectiveTap, ...] = ()
+        #: (namespace, name) -> (original, wrapper)
+        self.installed: dict[tuple[Any, str], tuple[Any, Any]] = {}
+        self.world = _WorldSizes()
+        self.errors = 0
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def classify(self, op: str) -> str:
+        taps = self.taps
+        return taps[0].classify(op) if taps else "other"
+
+    def emit(self, op: str, purpose: str, nbytes: int, world: int, start: float, end: float,
+             async_op: bool, exposed: float, cuda_events: Any) -> None:  # fmt: skip
+        rec = CollectiveRecord(op=op, purpose=purpose, nbytes=nbytes, world_size=world,
+                               start=start, end=end, async_op=async_op, exposed_s=exposed,
+                               cuda_events=cuda_events)  # fmt: skip
+        for tap in self.taps:
+            try:
+                tap.sink(rec)
+            except Exception:  # a listener must never break training
+                self._error("sink")
+
+    def _error(self, where: str) -> None:
+        self.errors += 1
+        if self.errors == 1:
+            log.exception("zerowatch: collective wrapper failed in %s (counted, not raised)", where)
+
+    # -- the wrappers ----------------------------------------------------------------------
+
+    def wrap(self, orig: Callable[..., Any], spec: _Spec) -> Callable[..., Any]:
+        hub = self
+
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            if _local.depth or not hub.taps:
+                return orig(*args, **kwargs)
+            try:
+                group = _arg(args, kwargs, spec, "group")
+                world = hub.world(group)
+                nbytes = _nbytes(_arg(args, kwargs, spec, spec.sized))
+                async_op = bool(_arg(args, kwargs, spec, "async_op"))
+                purpose = hub.classify(spec.op)
+                sized = _arg(args, kwargs, spec, spec.sized)
+                first = sized[0] if isinstance(sized, Sequence) and sized else sized
+                cuda = isinstance(first, torch.Tensor) and first.device.type == "cuda"
+            except Exception:
+                hub._error(spec.op)
+                return orig(*args, **kwargs)
+            if world <= 1:
+                return orig(*args, **kwargs)
+            cuda_start = None
+            if cuda:
+                cuda_start = torch.cuda.Event(enable_timing=True)
+                cuda_start.record()
+            _local.depth += 1
+            start = time.perf_counter()
+            try:
+                work = orig(*args, **kwargs)
+            finally:
+                _local.depth -= 1
+            end = time.perf_counter()
+            try:
+                if async_op and isinstance(work, dist.Work):
+                    return TimedWork(work, hub, spec.op, nbytes, world, start, purpose, cuda_start)
+                cuda_events = None
+                if cuda_start is not None:
+                    end_ev = torch.cuda.Event(enable_timing=True)
+                    end_ev.record()
+                    cuda_events = (cuda_start, end_ev)
+                hub.emit(spec.op, purpose, nbytes, world, start, end, False, end - start,
+                         cuda_events)  # fmt: skip
+            except Exception:
+                hub._error(spec.op)
+            return work
+
+        collective.__name__ = getattr(orig, "__name__", spec.op)
+        collective.__qualname__ = getattr(orig, "__qualname__", spec.op)
+        collective.__doc__ = getattr(orig, "__doc__", None)
+        collective.__wrapped__ = orig  # type: ignore[attr-defined]
+        collective.__zerowatch__ = True  # type: ignore[attr-defined]
+        return collective
+
+    def opaque(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            _local.depth += 1
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                _local.depth -= 1
+
+        call.__name__ = getattr(orig, "__name__", "call")
+        call.__qualname__ = getattr(orig, "__qualname__", "call")
+        call.__doc__ = getattr(orig, "__doc__", None)
+        call.__wrapped__ = orig  # type: ignore[attr-defined]
+        call.__zerowatch__ = True  # type: ignore[attr-defined]
+        return call
+
+    def install(self) -> None:
+        # One wrapper per original function, shared by both namespaces.
+        made: dict[int, Any] = {}
+        for ns in _NAMESPACES:
+            for name in (*SPECS, *_OPAQUE):
+                orig = getattr(ns, name, None)
+                if orig is None or getattr(orig, "__zerowatch__", False):
+                    continue
+                wrapper = made.get(id(orig))
+                if wrapper is None:
+                    spec = SPECS.get(name)
+                    wrapper = self.wrap(orig, spec) if spec else self.opaque(orig)
+                    made[id(orig)] = wrapper
+                setattr(ns, name, wrapper)
+                self.installed[(ns, name)] = (orig, wrapper)
+
+    def uninstall(self) -> None:
+        for (ns, name), (orig, wrapper) in self.installed.items():
+            if getattr(ns, name, None) is wrapper:
+                setattr(ns, name, orig)
+            else:  # someone wrapped over us: leave theirs, ours passes through when idle
+                log.warning("zerowatch: torch.distributed.%s was replaced while wrapped; "
+                            "leaving the replacement in place", name)  # fmt: skip
+        self.installed.clear()
+
+    def add(self, tap: CollectiveTap) -> None:
+        with self.lock:
+            if not self.taps:
+                self.install()
+            self.taps = (*self.taps, tap)
+
+    def remove(self, tap: CollectiveTap) -> None:
+        with self.lock:
+            self.taps = tuple(t for t in self.taps if t is not tap)
+            if not self.taps:
+                self.uninstall()
+
+
+_HUB = _Hub()
+
+
+class CollectiveTap:
+    """One listener on torch.distributed's collectives, from `open()` until `close()`.
+
+    Args:
+        classify: op -> purpose ("param_fetch", "grad_reduce", "optimizer_gather",
+            "other"), asked on the calling thread at the time of the call.
+        sink: receives each `CollectiveRecord` once the call has completed.
+    """
+
+    def __init__(self, classify: Classifier, sink: Sink) -> None:
+        self.classify = classify
+        self.sink = sink
+        self._open = False
+
+    def open(self) -> None:
+        if not self._open:
+            _HUB.add(self)
+            self._open = True
+
+    def close(self) -> None:
+        if self._open:
+            _HUB.remove(self)
+            self._open = False
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+
+@contextmanager
+def unobserved() -> Iterator[None]:
+    """Collectives issued inside this block (the agent's own) are not recorded."""
+    _local.depth += 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def installed() -> bool:
+    """Whether the wrappers are in place now."""
+    return bool(_HUB.installed)
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """`obj` from rank `src` on every rank (one rank: `obj`); never recorded."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
+        return obj
+    box = [obj]
+    with unobserved():
+        dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's `obj`, in rank order (one rank: `[obj]`); never recorded."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    with unobserved():
+        dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+__all__ = [
+    "SPECS",
+    "CollectiveTap",
+    "TimedWork",
+    "all_gather_object",
+    "broadcast_object",
+    "installed",
+    "unobserved",
+]

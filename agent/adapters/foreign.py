@@ -1,0 +1,181 @@
+"""What the DeepSpeed and FSDP2 adapters share: a phase board and a tensor census.
+
+`PhaseBoard` is the foreign engine's stand-in for engine/phases.py: the adapter's hooks
+call `start(phase)` / `end(phase)`, the board tells the attached observers (in the shapes
+of zerowatch.engine.hooks) and remembers which phases are open, so that a collective seen
+by `dist_wrap` can be given its purpose:
+
+    all_gather      in forward or backward -> param_fetch; in optimizer_step ->
+                    optimizer_gather; elsewhere -> other
+    reduce_scatter  -> grad_reduce (it is how sharded engines reduce gradients)
+    all_reduce      in backward or grad_reduce -> grad_reduce; elsewhere (grad-norm,
+                    overflow checks in the optimizer step, user code) -> other
+    broadcast       -> other (DeepSpeed's stage-3 trace checks, start-up syncs)
+
+`step` is the whole optimizer step: it opens with the first forward of an accumulation
+cycle (`begin_forward`) and closes after the optimizer step (`finish_step`).
+
+`TensorCensus` adds up the bytes of the tensors an engine holds, counting each storage
+once (a flat buffer and the parameter views into it are one allocation).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from zerowatch.agent.adapters.dist_wrap import CollectiveTap
+
+from zerowatch.engine.hooks import CollectiveRecord, ObserverRegistry
+
+
+class PhaseBoard:
+    """Open phases of the foreign engine, announced to observers; classifies collectives."""
+
+    def __init__(self) -> None:
+        self.observers = ObserverRegistry()
+        self._open: dict[str, int] = {}
+        self.in_step = False
+        self.tap = CollectiveTap(self.classify, self._on_collective)
+
+    # -- observers -------------------------------------------------------------------------
+
+    def add(self, observer: Any) -> bool:
+        """Add an observer; True when it is the first (the adapter installs its hooks)."""
+        first = not self.observers
+        self.observers.add(observer)
+        if first:
+            self.tap.open()
+        return first
+
+    def remove(self, observer: Any) -> bool:
+        """Remove an observer; True when none is left (the adapter removes its hooks)."""
+        self.observers.remove(observer)
+        if self.observers:
+            return False
+        self.tap.close()
+        self._open.clear()
+        self.in_step = False
+        return True
+
+    def _on_collective(self, rec: CollectiveRecord) -> None:
+        self.observers.call("on_collective", rec)
+
+    # -- phases ----------------------------------------------------------------------------
+
+    def start(self, phase: str) -> None:
+        self._open[phase] = self._open.get(phase, 0) + 1
+        self.observers.call("on_phase_start", phase, time.perf_counter())
+
+    def end(self, phase: str) -> None:
+        n = self._open.get(phase, 0)
+        if n <= 0:
+            return  # attached mid-phase: nothing was announced
+        self._open[phase] = n - 1
+        self.observers.call("on_phase_end", phase, time.perf_counter())
+
+    def is_open(self, phase: str) -> bool:
+        return self._open.get(phase, 0) > 0
+
+    def begin_forward(self) -> None:
+        """A forward starts; the first of an accumulation cycle also opens `step`."""
+        if not self.in_step:
+            self.in_step = True
+            self.start("step")
+        self.start("forward")
+
+    def finish_step(self) -> None:
+        """The optimizer step is done: close `step` (and anything left open in it)."""
+        for phase in ("forward", "backward", "grad_reduce", "optimizer_step"):
+            while self.is_open(phase):
+                self.end(phase)
+        if self.in_step:
+            self.in_step = False
+            self.end("step")
+
+    def classify(self, op: str) -> str:
+        if op == "all_gather":
+            if self.is_open("optimizer_step"):
+                return "optimizer_gather"
+            if self.is_open("forward") or self.is_open("backward"):
+                return "param_fetch"
+            return "other"
+        if op == "reduce_scatter":
+            return "grad_reduce"
+        if op == "all_reduce":
+            if self.is_open("optimizer_step"):
+                return "other"
+            if self.is_open("backward") or self.is_open("grad_reduce"):
+                return "grad_reduce"
+            return "other"
+        return "other"
+
+
+class TensorCensus:
+    """Bytes per kind of the tensors found, each storage counted once (first kind wins)."""
+
+    def __init__(self) -> None:
+        self._seen: set[int] = set()
+        self.bytes: dict[str, int] = {}
+
+    def add(self, kind: str, found: Any) -> None:
+        for t in _tensors(found):
+            local = _local_tensor(t)
+            if local is None or local.device.type == "meta":
+                continue
+            try:
+                storage = local.untyped_storage()
+                ptr, size = int(storage.data_ptr()), int(storage.nbytes())
+            except (RuntimeError, NotImplementedError):
+                ptr, size = id(local), int(local.numel()) * int(local.element_size())
+            if size == 0 or ptr in self._seen:
+                continue
+            self._seen.add(ptr)
+            self.bytes[kind] = self.bytes.get(kind, 0) + size
+
+    def result(self) -> dict[str, int]:
+        return {k: v for k, v in self.bytes.items() if v}
+
+
+def _local_tensor(t: torch.Tensor) -> torch.Tensor | None:
+    """A DTensor's local shard, or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    if to_local is not None and type(t).__name__ == "DTensor":
+        return to_local()  # type: ignore[no-any-return]
+    return t
+
+
+def _tensors(found: Any) -> Iterable[torch.Tensor]:
+    if found is None:
+        return
+    if isinstance(found, torch.Tensor):
+        yield found
+    elif isinstance(found, dict):
+        for v in found.values():
+            yield from _tensors(v)
+    elif isinstance(found, (list, tuple)):
+        for v in found:
+            yield from _tensors(v)
+
+
+def optimizer_state_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """The tensors of a torch optimizer's per-parameter state (Adam's exp_avg, exp_avg_sq)."""
+    out: list[torch.Tensor] = []
+    state = getattr(optimizer, "state", None)
+    if not isinstance(state, dict):
+        return out
+    for per_param in state.values():
+        if isinstance(per_param, dict):
+            out.extend(v for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return out
+
+
+def host_kinds(measured: dict[str, int], kinds: Iterable[str]) -> dict[str, int]:
+    """Rename offloaded kinds to `host_<kind>` (the events.MemoryStats form)."""
+    kinds = set(kinds)
+    return {(f"host_{k}" if k in kinds else k): v for k, v in measured.items()}
+
+
+__all__ = ["PhaseBoard", "TensorCensus", "host_kinds", "optimizer_state_tensors"]

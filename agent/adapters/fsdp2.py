@@ -1,0 +1,285 @@
+"""Adapter for a PyTorch FSDP2 model (`torch.distributed.fsdp.fully_shard`) and its optimizer.
+
+FSDP2 has no engine object: the root module and the optimizer are the public surface.
+`zerowatch.instrument(model, optimizer=opt)` hooks both for the life of the run:
+
+    forward         a forward pre-hook on the root, put first (before FSDP's own root
+                    pre-forward, so the root's parameter all-gather is inside), and a
+                    forward hook put last (after FSDP's post-forward)
+    backward        from the first gradient reaching the root's outputs (a tensor hook,
+                    registered after FSDP's pre-backward hook) to an autograd-engine
+                    callback queued from it, which runs after FSDP's own final callback,
+                    i.e. once the last reduce-scatter has been waited for
+    optimizer_step  `optimizer.register_step_pre_hook` / `register_step_post_hook`
+    step            from the first forward of an accumulation cycle to the end of the
+                    optimizer step; gradient clipping and anything else the script does
+                    between backward and step is in the step but in no phase (`other`)
+
+Collectives come from `dist_wrap`: FSDP2 calls `all_gather_single` (parameter all-gather,
+forward and backward: param_fetch) and `reduce_scatter_single` (gradients: grad_reduce),
+and `all_reduce` for HSDP replicas and `clip_grad_norm_` (other).
+
+The run is recorded as ZeRO stage 3 (full sharding: parameters, gradients and optimizer
+state sharded), or as stage 2 with `reshard_after_forward=False` on the root (parameters
+kept whole between forward and backward, as ZeRO-2 does); the precision is the mixed
+precision policy's `param_dtype`. Model-state bytes are the local shards of the DTensor
+parameters and their gradients, and the optimizer's state. FSDP2 keeps the sharded
+parameters in their original dtype (fp32), which serve as the master weights: with a bf16
+policy the measured `params` are the theory's `params + master_weights`.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+from zerowatch.agent.adapters import dist_wrap
+from zerowatch.agent.adapters.base import JobInfo, StepStats
+from zerowatch.agent.adapters.foreign import PhaseBoard, TensorCensus, optimizer_state_tensors
+from zerowatch.agent.adapters.zerowatch_engine import _finite_or_none
+
+from zerowatch import theory
+
+_DTYPE_PRECISION = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+
+
+def matches(obj: Any) -> bool:
+    """A module that `fully_shard` has wrapped (checked only if torch is loaded)."""
+    if "torch" not in sys.modules:
+        return False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(obj, FSDPModule)
+
+
+def _fsdp_state(model: Any) -> Any:
+    try:
+        return model._get_fsdp_state()
+    except AttributeError:
+        return None
+
+
+def _group(optimizer: Any) -> Any:
+    return getattr(optimizer, "param_groups", None)
+
+
+class FSDP2Adapter:
+    """An FSDP2 root module (+ its optimizer) -> EngineAdapter.
+
+    Args:
+        model: the root module returned by `fully_shard`.
+        optimizer: the optimizer stepping its parameters; it marks where each step ends.
+
+    Raises:
+        TypeError: naming `optimizer` when it is missing or has no step hooks.
+    """
+
+    name = "fsdp2"
+
+    def __init__(self, model: Any, optimizer: Any = None) -> None:
+        if optimizer is None or not hasattr(optimizer, "register_step_post_hook"):
+            raise TypeError(
+                "optimizer: zerowatch.instrument(fsdp_model, optimizer=opt) needs the "
+                f"torch optimizer that steps the model, got {type(optimizer).__name__}"
+            )
+        self.model = model
+        self.optimizer = optimizer
+        self.board = PhaseBoard()
+        self._handles: list[Any] = []
+        self._in_backward = False
+        self._end_queued = False
+
+    # -- the job ---------------------------------------------------------------------------
+
+    def _mesh(self) -> Any:
+        for p in self.model.parameters():
+            mesh = getattr(p, "device_mesh", None)
+            if mesh is not None:
+                return mesh
+        return None
+
+    def _mp_policy(self) -> Any:
+        state = _fsdp_state(self.model)
+        return getattr(state, "_mp_policy", None)
+
+    def _precision(self) -> str:
+        policy = self._mp_policy()
+        dtype = getattr(policy, "param_dtype", None)
+        return _DTYPE_PRECISION.get(str(dtype), "fp32") if dtype is not None else "fp32"
+
+    def _stage(self) -> int:
+        state = _fsdp_state(self.model)
+        groups = getattr(state, "_fsdp_param_groups", None) or []
+        for g in groups:
+            if getattr(g, "post_forward_mesh_info", True) is None:
+                return 2  # reshard_after_forward=False: whole parameters kept for backward
+        return 3
+
+    def _optimizer_config(self) -> dict[str, Any]:
+        """The optimizer's class and its scalar hyper-parameters per group."""
+        groups = [
+            {k: v for k, v in g.items() if isinstance(v, (int, float, str, bool))}
+            for g in self.optimizer.param_groups
+        ]
+        return {"type": type(self.optimizer).__qualname__, "param_groups": groups}
+
+    def info(self) -> JobInfo:
+        import torch
+        import torch.distributed as dist
+
+        mesh = self._mesh()
+        world = int(mesh.size()) if mesh is not None else (
+            dist.get_world_size() if dist.is_initialized() else 1)  # fmt: skip
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        precision = self._precision()
+        stage = self._stage()
+        n_params = sum(int(p.numel()) for p in self.model.parameters() if p.requires_grad)
+        policy = self._mp_policy()
+        policy_info = {
+            k: str(getattr(policy, k))
+            for k in ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+            if policy is not None and hasattr(policy, k)
+        }
+        mesh_info: dict[str, Any] = {}
+        if mesh is not None:
+            mesh_info = {
+                "device_type": str(mesh.device_type),
+                "shape": [int(s) for s in mesh.shape],
+                "dim_names": list(mesh.mesh_dim_names or ()),
+                "ranks": [int(r) for r in mesh.mesh.flatten().tolist()],
+            }
+        device = str(next((p.device for p in self.model.parameters()), torch.device("cpu")))
+        return JobInfo(
+            engine=self.name,
+            rank=int(rank),
+            world_size=world,
+            device=device,
+            zero_stage=stage,
+            precision=precision,
+            config={
+                "fsdp2": {
+                    "mesh": mesh_info,
+                    "mp_policy": policy_info,
+                    "optimizer": self._optimizer_config(),
+                }
+            },
+            param_count=n_params,
+            micro_batch_size=1,
+            gradient_accumulation_steps=1,
+            theory=theory.model_state_bytes(n_params, world, stage, precision=precision).flat(),
+            theory_comm=theory.comm_bytes_per_step(n_params, world, stage, precision=precision),
+            engine_info={
+                "name": "fsdp2",
+                "torch_version": str(torch.__version__),
+                "class": type(self.model).__qualname__,
+                "mesh": mesh_info,
+                "mp_policy": policy_info,
+                "optimizer": type(self.optimizer).__qualname__,
+            },
+        )
+
+    # -- hooks -----------------------------------------------------------------------------
+
+    def attach(self, observer: Any) -> None:
+        if self.board.add(observer):
+            self._install()
+
+    def detach(self, observer: Any) -> None:
+        if self.board.remove(observer):
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+            self._in_backward = self._end_queued = False
+
+    def _install(self) -> None:
+        import torch
+        from torch.autograd import Variable
+        from torch.utils._pytree import tree_leaves
+
+        board = self.board
+        # The backward pre-hook is ours, not the user's: torch's note that it fires on the
+        # outputs' gradients (the inputs need none) is expected here.
+        warnings.filterwarnings(
+            "ignore", message="Full backward hook is firing when gradients are computed with "
+            "respect to module outputs", category=UserWarning,
+        )  # fmt: skip
+
+        def backward_done() -> None:
+            self._in_backward = self._end_queued = False
+            board.end("backward")
+
+        def backward_begins(_module: Any, _grad_output: Any) -> None:
+            if not self._in_backward:
+                self._in_backward = True
+                board.start("backward")
+
+        def queue_backward_end(grad: Any) -> Any:
+            if self._in_backward and not self._end_queued:
+                self._end_queued = True
+                Variable._execution_engine.queue_callback(backward_done)
+            return grad
+
+        def hook_outputs(output: Any, hook: Any) -> None:
+            if torch.is_grad_enabled():
+                for t in tree_leaves(output):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(hook)
+
+        def pre_forward(_module: Any, _args: Any) -> None:
+            board.begin_forward()
+
+        def post_forward(_module: Any, _args: Any, output: Any) -> None:
+            board.end("forward")
+            # After FSDP's: the end-of-backward callback is queued after FSDP's final one.
+            hook_outputs(output, queue_backward_end)
+
+        def pre_step(_opt: Any, _args: Any, _kwargs: Any) -> None:
+            board.start("optimizer_step")
+
+        def post_step(_opt: Any, _args: Any, _kwargs: Any) -> None:
+            board.end("optimizer_step")
+            board.finish_step()
+
+        self._handles = [
+            self.model.register_forward_pre_hook(pre_forward, prepend=True),
+            # A backward pre-hook wraps the outputs after every forward hook has run, so
+            # it fires before FSDP's pre-backward hooks (which all-gather for backward).
+            self.model.register_full_backward_pre_hook(backward_begins),
+            self.model.register_forward_hook(post_forward, always_call=True),
+            self.optimizer.register_step_pre_hook(pre_step),
+            self.optimizer.register_step_post_hook(post_step),
+        ]
+
+    # -- per step --------------------------------------------------------------------------
+
+    def model_state_bytes(self) -> dict[str, int]:
+        census = TensorCensus()
+        params = [p for p in self.model.parameters()]
+        census.add("params", params)
+        census.add("grads", [p.grad for p in params])
+        census.add("optimizer_states", optimizer_state_tensors(self.optimizer))
+        return census.result()
+
+    def step_stats(self) -> StepStats:
+        groups = _group(self.optimizer) or []
+        lr = _finite_or_none(groups[0].get("lr")) if groups else None
+        return StepStats(lr=lr)
+
+    # -- start-up collectives --------------------------------------------------------------
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return dist_wrap.broadcast_object(obj, src=src)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return dist_wrap.all_gather_object(obj)
+
+    def torch_device(self) -> Any:
+        import torch
+
+        return next((p.device for p in self.model.parameters()), torch.device("cpu"))
+
+
+__all__ = ["FSDP2Adapter", "matches"]
