@@ -77,9 +77,23 @@ def _pct(x: float) -> str:
     return f"{x * 100:.6g}%"
 
 
+#: Go-template pipeline: the run's zerowatch_run_info series (labels `name`, `stage`, ...),
+#: so annotations show the run's name where the server exports it, and its id regardless.
+_RUN_INFO = 'printf "zerowatch_run_info{run=%q, project=%q}" $labels.run $labels.project | query'
+
+
+def _run() -> str:
+    """The run, shortly: its name where known, else its id (Go template text)."""
+    return f'{{{{ with {_RUN_INFO} }}}}{{{{ . | first | label "name" }}}}{{{{ else }}}}{{{{ $labels.run }}}}{{{{ end }}}}'
+
+
 def _who(rank: bool = False, *, capital: bool = False) -> str:
-    """The alert's subject, named from its labels (Go template text)."""
-    text = "run {{ $labels.run }} (project {{ $labels.project }})"
+    """The alert's subject in full (Go template text): `run NAME (id ID, project P)`, or
+    `run ID (project P)` when the run's name is not exported; `rank R of ...` per rank."""
+    text = (
+        f'run {{{{ with {_RUN_INFO} }}}}{{{{ . | first | label "name" }}}} (id {{{{ $labels.run }}}}, '
+        "{{ else }}{{ $labels.run }} ({{ end }}project {{ $labels.project }})"
+    )
     if rank:
         text = "rank {{ $labels.rank }} of " + text
     return text[0].upper() + text[1:] if capital else text
@@ -240,7 +254,7 @@ def alerts(s: AlertSettings) -> list[Alert]:
             f" > {_num(s.straggler_ratio)}",
             for_=s.straggler_for,
             severity="warning",
-            summary="Rank {{ $labels.rank }} straggles in run {{ $labels.run }}",
+            summary=f"Rank {{{{ $labels.rank }}}} straggles in run {_run()}",
             description=f"{_who(rank=True, capital=True)} has been busy {VALUE_X} as long per "
             "step as the run's median rank (busy time = step time minus exposed "
             f"communication, averaged over {w}; threshold {_num(s.straggler_ratio)}x, for "
@@ -261,8 +275,7 @@ def alerts(s: AlertSettings) -> list[Alert]:
             expr=f"zerowatch:memory_peak_to_capacity:ratio > {_num(s.memory_headroom_ratio)}",
             for_=s.memory_for,
             severity="warning",
-            summary="Rank {{ $labels.rank }} of run {{ $labels.run }} peaks at "
-            f"{VALUE_PCT} of device memory",
+            summary=f"Rank {{{{ $labels.rank }}}} of run {_run()} peaks at {VALUE_PCT} of device memory",
             description=f"The peak memory of {_who(rank=True)} is {VALUE_PCT} of its device's "
             f"capacity (threshold {_pct(s.memory_headroom_ratio)}, for {s.memory_for}); an "
             "out-of-memory error is close. Look at the run's memory page (peak per phase "
@@ -289,7 +302,7 @@ def alerts(s: AlertSettings) -> list[Alert]:
             for_=s.offload_bandwidth_for,
             severity="warning",
             summary="Offload {{ $labels.direction }} bandwidth of rank {{ $labels.rank }} in "
-            f"run {{{{ $labels.run }}}} fell to {VALUE_PCT} of its recent level",
+            f"run {_run()} fell to {VALUE_PCT} of its recent level",
             description="The {{ $labels.direction }} offload bandwidth of "
             f"{_who(rank=True)} over the last {w} is {VALUE_PCT} of its average over the last "
             f"{ow} (threshold {_pct(s.offload_bandwidth_ratio)}, for "
@@ -345,12 +358,14 @@ def alerts(s: AlertSettings) -> list[Alert]:
     ]
 
 
-def _alert_dict(a: Alert) -> dict[str, Any]:
+def _alert_dict(a: Alert, dashboard_url: str) -> dict[str, Any]:
     out: dict[str, Any] = {"alert": a.alert, "expr": a.expr}
     if a.for_.seconds > 0:
         out["for"] = str(a.for_)
     out["labels"] = {"severity": a.severity}
     out["annotations"] = {"summary": a.summary, "description": a.description}
+    if dashboard_url:
+        out["annotations"]["dashboard"] = dashboard_url + "/runs/{{ $labels.run | urlquery }}"
     return out
 
 
@@ -363,12 +378,14 @@ def render_rules(settings: AlertSettings | None = None) -> str:
     Returns:
         YAML text for Prometheus' `rule_files`, the same for equal settings.
     """
+    s = settings or AlertSettings()
     groups = [
         {
             "name": a.group,
-            "rules": [{"record": r.record, "expr": r.expr} for r in a.records] + [_alert_dict(a)],
+            "rules": [{"record": r.record, "expr": r.expr} for r in a.records]
+            + [_alert_dict(a, s.dashboard_url)],
         }
-        for a in alerts(settings or AlertSettings())
+        for a in alerts(s)
     ]
     body = yaml.safe_dump({"groups": groups}, sort_keys=False, width=10_000, allow_unicode=True)
     return HEADER + body

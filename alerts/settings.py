@@ -188,13 +188,15 @@ class AlertSettings:
     nonfinite_for: Duration = Duration("0s")
     """ZeroWatchNonFiniteLoss: how long before firing (0s: at once)."""
 
+    dashboard_url: str = ""
+    """Base URL of the zerowatch server as on-call engineers open it (e.g.
+    `https://zerowatch.example.org`); when set, every alert gets a `dashboard` annotation
+    linking to the run's page (`<dashboard_url>/runs/<run>`). Empty: no link."""
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if _FIELD_TYPES[f.name] is Duration:
-                object.__setattr__(self, f.name, _coerce(f.name, Duration, value))
-            else:
-                object.__setattr__(self, f.name, _coerce(f.name, float, value))
+            object.__setattr__(self, f.name, _coerce(f.name, _FIELD_TYPES[f.name], value))
         self._check_ranges()
 
     def _check_ranges(self) -> None:
@@ -216,6 +218,12 @@ class AlertSettings:
             "a fraction in (0, 1)",
         )
         need(self.loss_scale_floor >= 0.0, "loss_scale_floor", "a number >= 0")
+        need(
+            not self.dashboard_url
+            or re.match(r"^https?://[^\s/]+", self.dashboard_url) is not None,
+            "dashboard_url",
+            "empty or an http(s):// URL",
+        )
         for name in ("window", "step_time_baseline_offset", "grad_norm_baseline_window",
                      "stall_after", "offload_bandwidth_baseline_window",
                      "loss_scale_drop_window", "nonfinite_window"):  # fmt: skip
@@ -260,13 +268,13 @@ class AlertSettings:
         return cls(**values)
 
     def as_dict(self) -> dict[str, str | float]:
-        """Every field and its value (durations as strings), for docs and settings files."""
-        return {f.name: (str(v) if isinstance(v := getattr(self, f.name), Duration) else v)
+        """Every field and its value (durations as plain strings), e.g. for a settings file."""
+        return {f.name: (str(v) if isinstance(v := getattr(self, f.name), str) else v)
                 for f in dataclasses.fields(self)}  # fmt: skip
 
 
 _FIELD_TYPES: dict[str, type] = {
-    name: (Duration if hint is Duration else float)
+    name: hint if hint in (Duration, str) else float
     for name, hint in get_type_hints(AlertSettings).items()
 }
 
@@ -301,6 +309,10 @@ def _check_key(key: str, *, source: str) -> None:
 
 def _coerce(name: str, typ: type, value: Any) -> Any:
     """`value` (from a file, an override string or Python) as the field's type."""
+    if typ is str:
+        if not isinstance(value, str):
+            raise SettingsError(f"{name}: expected a string, got {value!r}")
+        return value.strip().rstrip("/")
     try:
         if typ is Duration:
             return value if isinstance(value, Duration) else Duration(value)

@@ -45,7 +45,11 @@ def test_shipped_rule_file_is_the_rendered_default() -> None:
     )
 
 
-@pytest.mark.parametrize("settings", [AlertSettings(), SHORT], ids=["default", "short"])
+@pytest.mark.parametrize(
+    "settings",
+    [AlertSettings(), SHORT, AlertSettings(dashboard_url="https://zw.example.org")],
+    ids=["default", "short", "dashboard"],
+)
 def test_promtool_check_rules_passes(settings: AlertSettings, tmp_path: Path) -> None:
     path = tmp_path / "rules.yml"
     path.write_text(render_rules(settings))

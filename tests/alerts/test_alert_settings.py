@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 from zerowatch.alerts import AlertSettings, Duration, SettingsError, render_rules
 from zerowatch.alerts.settings import field_docs
@@ -150,3 +151,23 @@ def test_cli_renders_with_overrides_and_rejects_bad_keys(tmp_path: Path) -> None
     result = runner.invoke(app, ["alerts", "render", "--set", "stall_afer=1m"])
     assert result.exit_code == 2
     assert "did you mean 'stall_after'" in result.output
+
+
+def test_as_dict_round_trips_through_a_settings_file(tmp_path: Path) -> None:
+    custom = AlertSettings(
+        window=Duration("30s"), straggler_ratio=1.4, dashboard_url="http://zw:8321"
+    )
+    f = tmp_path / "s.yml"
+    f.write_text(yaml.safe_dump(custom.as_dict()))
+    assert AlertSettings.load(f, []) == custom
+
+
+def test_dashboard_url_adds_a_link_to_the_run_page() -> None:
+    s = AlertSettings.load(None, ["dashboard_url=https://zerowatch.example.org/"])
+    assert s.dashboard_url == "https://zerowatch.example.org"
+    groups = yaml.safe_load(render_rules(s))["groups"]
+    links = {r["annotations"]["dashboard"] for g in groups for r in g["rules"] if "alert" in r}
+    assert links == {"https://zerowatch.example.org/runs/{{ $labels.run | urlquery }}"}
+    assert "dashboard" not in render_rules(AlertSettings())
+    with pytest.raises(SettingsError, match="dashboard_url: expected empty or an http"):
+        AlertSettings.load(None, ["dashboard_url=zerowatch:8321"])

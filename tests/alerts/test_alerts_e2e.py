@@ -160,14 +160,20 @@ def test_prometheus_raises_regression_and_stall_alerts_from_a_live_server(
         assert regression["labels"]["project"] == "e2e"
         assert regression["labels"]["severity"] == "warning"
         assert float(regression["value"]) > 1.1
-        assert f"run {regressing.run_id} (project e2e)" in regression["annotations"]["summary"]
+        # Annotations name the run by the name the server exports, and by its id.
+        assert (
+            f"run regressing (id {regressing.run_id}, project e2e)"
+            in (regression["annotations"]["summary"])
+        )
         assert f"over the last {WINDOW_S}s" in regression["annotations"]["description"]
 
         stall = alerts[("ZeroWatchRunStalled", stalling.run_id)]
         assert stall["state"] in ("pending", "firing")
         assert stall["labels"]["severity"] == "critical"
         assert float(stall["value"]) > 3
-        assert f"Run {stalling.run_id} (project e2e)" in stall["annotations"]["summary"]
+        assert (
+            f"Run stalling (id {stalling.run_id}, project e2e)" in stall["annotations"]["summary"]
+        )
 
         # Nothing else fired on these healthy-otherwise runs: no regression of the run that
         # stalled, no stall of the run that kept sending, no other alert.
