@@ -220,7 +220,7 @@ class AlertSettings:
         need(self.loss_scale_floor >= 0.0, "loss_scale_floor", "a number >= 0")
         need(
             not self.dashboard_url
-            or re.match(r"^https?://[^\s/]+", self.dashboard_url) is not None,
+            or re.fullmatch(r"https?://[^\s/{}]+[^\s{}]*", self.dashboard_url) is not None,
             "dashboard_url",
             "empty or an http(s):// URL",
         )
