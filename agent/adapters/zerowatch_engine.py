@@ -110,26 +110,20 @@ class ZeroWatchEngineAdapter:
             or (raw_norm is not None and norm is None),
         )
 
-    def _distributed(self) -> bool:
+    def _comm(self) -> Any:
+        """The engine's comm module object (zerowatch.engine.comm.Comm), or None when the
+        job is one process."""
         if int(getattr(self.engine, "world_size", 1)) <= 1:
-            return False
-        import torch.distributed as dist
-
-        return bool(dist.is_available() and dist.is_initialized())
+            return None
+        return getattr(self.engine, "comm", None)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        if not self._distributed():
-            return obj
-        from zerowatch.engine.comm import broadcast_object  # type: ignore[attr-defined]
-
-        return broadcast_object(obj, src=src)
+        comm = self._comm()
+        return obj if comm is None else comm.broadcast_object(obj, src=src)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        if not self._distributed():
-            return [obj]
-        from zerowatch.engine.comm import all_gather_object  # type: ignore[attr-defined]
-
-        return list(all_gather_object(obj))
+        comm = self._comm()
+        return [obj] if comm is None else list(comm.all_gather_object(obj))
 
     def torch_device(self) -> Any:
         import torch

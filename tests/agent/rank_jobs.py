@@ -1,0 +1,127 @@
+"""What each gloo rank runs in the agent's multi-rank tests: the real engine on the tiny
+GPT, instrumented. Functions here are spawned by support.engine_harness.run_ranks, so they
+take (rank, world, ...) and return picklable results."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from support.engine_scenarios import TINY, ds_config, make_model, micro_batches
+
+import zerowatch
+
+#: Fast shipping for tests: small flush interval, quick retries, short close.
+FAST = {"flush_interval_s": 0.1, "retry_max_wait_s": 0.3, "http_timeout_s": 2.0,
+        "close_timeout_s": 5.0}  # fmt: skip
+
+#: The configurations the quantities tests cover: every stage, accumulation, overlap,
+#: both offloads, mixed precision.
+CASES: dict[str, dict[str, Any]] = {
+    "stage0": ds_config(0),
+    "stage1-offload": ds_config(1, offload_optimizer=True),
+    "stage2-ga2-overlap": ds_config(2, ga=2, overlap=True),
+    "stage3-bf16-offload": ds_config(
+        3, ga=2, precision="bf16", overlap=True, offload_optimizer=True, offload_param=True
+    ),
+    "stage3": ds_config(3, overlap=True),
+}
+
+
+def train(engine: Any, run: Any, step: int, rank: int, world: int) -> None:
+    """One optimizer step of the usual loop, logging loss and tokens per micro-batch."""
+    ga = engine.gradient_accumulation_steps
+    for x, y in micro_batches(TINY, step, ga, world, rank):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        if run is not None:
+            run.log(loss=loss.item(), tokens=x.numel())
+
+
+def instrumented_stages(
+    rank: int, world: int, spool_root: str, server: str, steps: int
+) -> dict[str, Any]:
+    """Each case of CASES, `steps` steps, instrumented with `server` (which may be down)."""
+    out = {}
+    for name, config in CASES.items():
+        engine, *_ = zerowatch.initialize(model=make_model(), config=config)
+        with zerowatch.instrument(engine, server=server, run=name, spool_dir=spool_root,
+                                  spans_every=2, **FAST) as run:  # fmt: skip
+            for s in range(steps):
+                train(engine, run, s, rank, world)
+        out[name] = {
+            "run_id": run.id,
+            "stats": run.stats,
+            "model_state": engine.model_state_bytes(),
+            "theory": engine.theory().flat(),
+            "num_parameters": engine.num_parameters,
+            "persistent": engine.num_persistent_parameters,
+            "zero_stage": engine.zero_stage,
+            "ga": engine.gradient_accumulation_steps,
+            "precision": engine.precision,
+        }
+    return out
+
+
+def through_an_outage(rank: int, world: int, server: str, spool_root: str, flag: str,
+                      extra_steps: int, max_steps: int) -> dict[str, Any]:  # fmt: skip
+    """Train until the test drops `flag` (the server is back), then `extra_steps` more."""
+    engine, *_ = zerowatch.initialize(model=make_model(), config=ds_config(3, overlap=True))
+    steps, after = 0, 0
+    with zerowatch.instrument(engine, server=server, run="outage", spool_dir=spool_root,
+                              **FAST) as run:  # fmt: skip
+        while steps < max_steps and after < extra_steps:
+            train(engine, run, steps, rank, world)
+            steps += 1
+            time.sleep(0.03)  # a step of a real job takes a while; let the outage span some
+            if Path(flag).exists():
+                after += 1
+    return {"run_id": run.id, "steps": steps, "stats": run.stats}
+
+
+def _timed(engine: Any, run: Any, rank: int, world: int, n: int, start: int) -> list[float]:
+    times = []
+    for s in range(start, start + n):
+        t0 = time.perf_counter()
+        train(engine, run, s, rank, world)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def step_times_under_faults(rank: int, world: int, urls: dict[str, str], spool_root: str,
+                            steps: int, rounds: int) -> dict[str, Any]:  # fmt: skip
+    """Median step time of the same engine without the agent and with it, shipping to each
+    server in `urls` (one answering 500s, one hanging, one down with a tiny spool bound),
+    interleaved over `rounds` rounds so that machine noise hits every variant alike."""
+    engine, *_ = zerowatch.initialize(model=make_model(), config=ds_config(2, overlap=True))
+    _timed(engine, None, rank, world, 3, 0)  # warm-up
+    times: dict[str, list[float]] = {"none": [], **{k: [] for k in urls}}
+    runs: dict[str, Any] = {}
+    opts = {**FAST, "close_timeout_s": 1.0, "http_timeout_s": 1.0}
+    for name, url in urls.items():
+        extra = {"max_spool_bytes": 20_000} if name == "full_spool" else {}
+        runs[name] = zerowatch.instrument(engine, server=url, run=name,
+                                          spool_dir=f"{spool_root}/{name}", **opts, **extra)  # fmt: skip
+        engine.remove_observer(runs[name]._recorder)  # attached per round below
+    step = 3
+    for _ in range(rounds):
+        times["none"] += _timed(engine, None, rank, world, steps, step)
+        step += steps
+        for name, run in runs.items():
+            engine.add_observer(run._recorder)
+            times[name] += _timed(engine, run, rank, world, steps, step)
+            engine.remove_observer(run._recorder)
+            step += steps
+    t0 = time.perf_counter()
+    for run in runs.values():
+        run.close()
+    return {
+        "median": {k: statistics.median(v) for k, v in times.items()},
+        "max": {k: max(v) for k, v in times.items()},
+        "close_s": time.perf_counter() - t0,
+        "stats": {k: r.stats for k, r in runs.items()},
+        "run_ids": {k: r.id for k, r in runs.items()},
+    }
