@@ -54,13 +54,25 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: flo
 
 
 @contextlib.contextmanager
-def _server(port: int, db_url: str, log_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def _server(
+    port: int, db_url: str, log_path: Path
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A `zerowatch serve` subprocess on 127.0.0.1, stopped by its pid on exit."""
     url = f"http://127.0.0.1:{port}"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "zerowatch.cli", "serve", "--host", "127.0.0.1",
-             "--port", str(port), "--db", db_url],  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "zerowatch.cli",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--db",
+                db_url,
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -80,33 +92,39 @@ def _server(port: int, db_url: str, log_path: Path) -> Iterator[tuple[str, subpr
 @dataclass
 class StageRun:
     stage: int
-    run_id: str
+    #: A tag unique to this launch, by which the demo finds the run the agents created.
+    tag: str
+    run_id: str | None = None
     returncode: int | None = None
     log_path: Path | None = None
 
 
-def _launch(stage: int, run_id: str, *, world_size: int, steps: int, server: str, log_path: Path) -> subprocess.Popen[bytes]:
+def _launch(
+    stage: int, tag: str, *, world_size: int, steps: int, server: str, log_path: Path
+) -> subprocess.Popen[bytes]:
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--nproc-per-node", str(world_size), "--master-addr", "127.0.0.1",
         "--master-port", str(_free_port()),
         "-m", "zerowatch.examples.train",
         "--stage", str(stage), "--steps", str(steps), "--server", server,
-        "--run-id", run_id, "--name", f"demo-stage{stage}", "--project", "demo",
+        "--tag", tag, "--name", f"demo-stage{stage}", "--project", "demo",
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen(cmd, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env=env)
 
 
-def _stored_steps(client: httpx.Client, run_id: str) -> int:
-    """Steps stored for the slowest rank of a run (0 until the run exists)."""
+def _stored_steps(client: httpx.Client, sr: StageRun) -> int:
+    """Steps stored for the slowest rank of the launch's run (0 until the run exists)."""
     try:
-        resp = client.get(f"/api/v1/runs/{run_id}")
+        resp = client.get("/api/v1/runs", params={"tag": sr.tag})
     except httpx.HTTPError:
         return 0
-    if resp.status_code != 200:
+    runs = resp.json().get("runs", []) if resp.status_code == 200 else []
+    if not runs:
         return 0
-    ranks = resp.json().get("ranks", [])
+    sr.run_id = runs[0]["run_id"]
+    ranks = runs[0].get("ranks", [])
     return min((r.get("steps", 0) for r in ranks), default=0)
 
 
@@ -122,15 +140,16 @@ def _fmt_bytes(n: float | None) -> str:
 
 def _summary_table(compare: dict[str, Any], runs: list[StageRun]) -> Table:
     table = Table(title="zerowatch demo: one model, several ZeRO stages")
-    for col in ("stage", "step time", "samples/s", "model state / rank", "theory / rank",
-                "measured / theory", "comm / step"):  # fmt: skip
+    for col in ("stage", "step time", "samples/s", "state/rank", "theory/rank", "ratio",
+                "comm/step"):  # fmt: skip
         table.add_column(col, justify="right")
-    by_id = {r.get("run_id"): r for r in compare.get("runs", [])}
+    by_id = {r["run"]["run_id"]: r for r in compare.get("runs", [])}
     for sr in runs:
         r = by_id.get(sr.run_id, {})
-        measured = r.get("model_state_bytes")
-        theory = r.get("theory_bytes")
+        state = r.get("model_state_bytes") or {}
+        measured, theory = state.get("measured_total"), state.get("theory_total")
         ratio = f"{measured / theory:.2f}" if measured and theory else "-"
+        comm = (r.get("comm_bytes_per_step") or {}).get("measured") or {}
         st = r.get("step_time_s")
         sps = r.get("samples_per_s")
         table.add_row(
@@ -140,7 +159,7 @@ def _summary_table(compare: dict[str, Any], runs: list[StageRun]) -> Table:
             _fmt_bytes(measured),
             _fmt_bytes(theory),
             ratio,
-            _fmt_bytes(r.get("comm_bytes_per_step")),
+            _fmt_bytes(sum(comm.values()) if comm else None),
         )
     return table
 
@@ -175,7 +194,8 @@ def run_demo(
                 console.print(f"[red]error:[/] {e}")
                 return 1
 
-        runs = [StageRun(stage=s, run_id=uuid.uuid4().hex[:12]) for s in stages]
+        launch = uuid.uuid4().hex[:8]
+        runs = [StageRun(stage=s, tag=f"demo-{launch}-stage{s}") for s in stages]
         client = stack.enter_context(httpx.Client(base_url=url, timeout=10))
         progress = Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -185,31 +205,34 @@ def run_demo(
             for sr in runs:
                 sr.log_path = workdir / f"stage{sr.stage}.log"
                 task = progress.add_task(f"ZeRO-{sr.stage} x{world_size} ranks", total=steps)
-                proc = _launch(sr.stage, sr.run_id, world_size=world_size, steps=steps,
+                proc = _launch(sr.stage, sr.tag, world_size=world_size, steps=steps,
                                server=url, log_path=sr.log_path)  # fmt: skip
                 while proc.poll() is None:
-                    progress.update(task, completed=_stored_steps(client, sr.run_id))
+                    progress.update(task, completed=_stored_steps(client, sr))
                     time.sleep(0.5)
                 sr.returncode = proc.returncode
                 # The agents flush at close; give the last batch a moment to land.
                 deadline = time.monotonic() + 10
-                while _stored_steps(client, sr.run_id) < steps and time.monotonic() < deadline:
+                while _stored_steps(client, sr) < steps and time.monotonic() < deadline:
                     time.sleep(0.2)
-                progress.update(task, completed=_stored_steps(client, sr.run_id))
+                progress.update(task, completed=_stored_steps(client, sr))
 
         failed = [sr for sr in runs if sr.returncode != 0]
         for sr in failed:
-            console.print(f"[red]ZeRO-{sr.stage} failed[/] (exit {sr.returncode}); log: {sr.log_path}")
+            console.print(
+                f"[red]ZeRO-{sr.stage} failed[/] (exit {sr.returncode}); log: {sr.log_path}"
+            )
             if sr.log_path and sr.log_path.exists():
                 console.print(sr.log_path.read_text(errors="replace")[-3000:])
-        ok = [sr for sr in runs if sr.returncode == 0]
+        ok = [sr for sr in runs if sr.returncode == 0 and sr.run_id]
         if ok:
-            resp = client.get("/api/v1/compare", params={"runs": ",".join(r.run_id for r in ok)})
+            ids = ",".join(str(r.run_id) for r in ok)
+            resp = client.get("/api/v1/compare", params={"runs": ids})
             compare = resp.json() if resp.status_code == 200 else {}
             console.print(_summary_table(compare, ok))
             for sr in ok:
-                console.print(f"ZeRO-{sr.stage} run:  {url}/runs/{sr.run_id}")
-            console.print(f"compare:    {url}/compare?runs={','.join(r.run_id for r in ok)}")
+                console.print(f"ZeRO-{sr.stage} run:  {url}/runs/{sr.run_id}", soft_wrap=True)
+            console.print(f"compare:    {url}/compare?runs={ids}", soft_wrap=True)
             console.print(f"all runs:   {url}/")
         if server is None and serve and ok:
             console.print("Serving the dashboards; press Ctrl-C to stop.")
