@@ -315,3 +315,18 @@ def test_cli_plan_config_mistake_exits_2_naming_the_key(tmp_path: Path) -> None:
         in result.output
     )
     assert "Traceback" not in result.output
+
+
+def test_cli_plan_host_memory_names_the_host_as_the_limit() -> None:
+    result = runner.invoke(
+        app, ["plan", "--params", "70e9", "--gpus", "8", "--gpu-memory", "80GiB",
+              "--host-memory", "512GiB"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "Nothing fits" in result.output
+    assert "host memory per node" in result.output
+    roomy = runner.invoke(
+        app, ["plan", "--params", "70e9", "--gpus", "8", "--gpu-memory", "80GiB",
+              "--host-memory", "2TiB"],
+    )  # fmt: skip
+    assert "Recommended: " in roomy.output

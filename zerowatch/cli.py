@@ -40,7 +40,9 @@ def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
 DEFAULT_SERVER = "http://127.0.0.1:8321"
 ServerOpt = Annotated[
     str | None,
-    typer.Option("--server", help="zerowatch server URL [env: ZEROWATCH_SERVER]", envvar="ZEROWATCH_SERVER"),
+    typer.Option(
+        "--server", help="zerowatch server URL [env: ZEROWATCH_SERVER]", envvar="ZEROWATCH_SERVER"
+    ),
 ]
 
 
@@ -50,10 +52,17 @@ def serve(
     port: Annotated[int, typer.Option(help="Port to bind.")] = 8321,
     db: Annotated[
         str | None,
-        typer.Option(help="SQLAlchemy URL [env: ZEROWATCH_DB_URL; default: sqlite file ./zerowatch.db]", envvar="ZEROWATCH_DB_URL"),
+        typer.Option(
+            help="SQLAlchemy URL [env: ZEROWATCH_DB_URL; default: sqlite file ./zerowatch.db]",
+            envvar="ZEROWATCH_DB_URL",
+        ),
     ] = None,
     token: Annotated[
-        str | None, typer.Option(help="Token required for ingest and delete [env: ZEROWATCH_TOKEN]", envvar="ZEROWATCH_TOKEN")
+        str | None,
+        typer.Option(
+            help="Token required for ingest and delete [env: ZEROWATCH_TOKEN]",
+            envvar="ZEROWATCH_TOKEN",
+        ),
     ] = None,
 ) -> None:
     """Run the zerowatch server (API, dashboards, /metrics)."""
@@ -64,9 +73,14 @@ def serve(
 
 @app.command()
 def upload(
-    spool_dir: Annotated[Path, typer.Argument(help="Spool folder written by an agent with no server.")],
+    spool_dir: Annotated[
+        Path, typer.Argument(help="Spool folder written by an agent with no server.")
+    ],
     server: ServerOpt = None,
-    token: Annotated[str | None, typer.Option(envvar="ZEROWATCH_TOKEN", help="Ingest token [env: ZEROWATCH_TOKEN]")] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(envvar="ZEROWATCH_TOKEN", help="Ingest token [env: ZEROWATCH_TOKEN]"),
+    ] = None,
 ) -> None:
     """Send a local spool of events to a server (each step stored exactly once)."""
     from zerowatch.agent.upload import upload_spool
@@ -85,9 +99,15 @@ def demo(
     world_size: Annotated[int, typer.Option(help="Ranks per run (torchrun, gloo on CPU).")] = 2,
     steps: Annotated[int, typer.Option(help="Optimizer steps per run.")] = 30,
     port: Annotated[int, typer.Option(help="Server port (0: a free one).")] = 8321,
-    db: Annotated[str | None, typer.Option(help="SQLAlchemy URL (default: sqlite file ./zerowatch-demo.db).")] = None,
-    server: Annotated[str | None, typer.Option(help="Use this running server instead of starting one.")] = None,
-    no_serve: Annotated[bool, typer.Option("--no-serve", help="Stop the server when the runs end.")] = False,
+    db: Annotated[
+        str | None, typer.Option(help="SQLAlchemy URL (default: sqlite file ./zerowatch-demo.db).")
+    ] = None,
+    server: Annotated[
+        str | None, typer.Option(help="Use this running server instead of starting one.")
+    ] = None,
+    no_serve: Annotated[
+        bool, typer.Option("--no-serve", help="Stop the server when the runs end.")
+    ] = False,
 ) -> None:
     """The main job: a server, instrumented multi-rank CPU runs per stage, a summary."""
     from zerowatch.demo import run_demo
@@ -113,10 +133,22 @@ def plan(
     gpus: Annotated[int, typer.Option(help="GPUs (data-parallel ranks) in all.")] = 8,
     gpu_memory: Annotated[str, typer.Option(help="Memory per GPU, e.g. 80GiB.")] = "80GiB",
     nodes: Annotated[int, typer.Option(help="Machines the GPUs are spread over.")] = 1,
-    offload: Annotated[str, typer.Option(help="Offload: none or cpu (or 'both' to compare).")] = "both",
+    offload: Annotated[
+        str, typer.Option(help="Offload: none or cpu (or 'both' to compare).")
+    ] = "both",
     precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16.")] = "bf16",
-    bandwidth: Annotated[str | None, typer.Option(help="Interconnect bus bandwidth per GPU, e.g. 100GB/s.")] = None,
-    config: Annotated[Path | None, typer.Option(help="A DeepSpeed JSON config to evaluate.")] = None,
+    bandwidth: Annotated[
+        str | None, typer.Option(help="Interconnect bus bandwidth per GPU, e.g. 100GB/s.")
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="A DeepSpeed JSON config to evaluate.")
+    ] = None,
+    host_memory: Annotated[
+        str | None, typer.Option(help="CPU memory per node, e.g. 1TiB (checks offload fits).")
+    ] = None,
+    hidden_size: Annotated[
+        int | None, typer.Option(help='Model hidden size (resolves "auto" buckets in --config).')
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Capacity planner: per-rank memory and communication for each ZeRO stage."""
@@ -127,6 +159,7 @@ def plan(
         text = plan_from_cli(
             params=params, gpus=gpus, gpu_memory=gpu_memory, nodes=nodes, offload=offload,
             precision=precision, bandwidth=bandwidth, config=config, as_json=as_json,
+            host_memory=host_memory, hidden_size=hidden_size,
         )  # fmt: skip
     except (PlanError, ConfigError) as e:
         fail(str(e), EXIT_USAGE)
@@ -135,10 +168,15 @@ def plan(
 
 @alerts_app.command("render")
 def alerts_render(
-    out: Annotated[Path | None, typer.Option(help="Write the rule file here (default: stdout).")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Write the rule file here (default: stdout).")
+    ] = None,
     settings: Annotated[Path | None, typer.Option(help="YAML/JSON file of alert settings.")] = None,
     set_: Annotated[
-        list[str] | None, typer.Option("--set", help="Override one setting, e.g. --set step_time_regression_ratio=1.2")
+        list[str] | None,
+        typer.Option(
+            "--set", help="Override one setting, e.g. --set step_time_regression_ratio=1.2"
+        ),
     ] = None,
 ) -> None:
     """Render the Prometheus recording and alerting rules."""
@@ -196,7 +234,9 @@ def trace(
 def runs(
     server: ServerOpt = None,
     project: Annotated[str | None, typer.Option(help="Only this project.")] = None,
-    status: Annotated[str | None, typer.Option(help="running, finished, failed or stalled.")] = None,
+    status: Annotated[
+        str | None, typer.Option(help="running, finished, failed or stalled.")
+    ] = None,
 ) -> None:
     """List the runs a server holds."""
     from rich.console import Console

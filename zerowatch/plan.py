@@ -405,6 +405,8 @@ def plan_from_cli(
     bandwidth: str | None,
     config: Path | None,
     as_json: bool,
+    host_memory: str | None = None,
+    hidden_size: int | None = None,
 ) -> str:
     """`zerowatch plan`: parse the options, plan, render a table (or JSON).
 
@@ -414,6 +416,10 @@ def plan_from_cli(
     num_params = parse_count(params, "--params")
     memory = parse_bytes(gpu_memory, "--gpu-memory")
     rate = parse_bandwidth(bandwidth, "--bandwidth") if bandwidth else None
+    host = parse_bytes(host_memory, "--host-memory") if host_memory else None
+    _check(
+        hidden_size is None or hidden_size >= 1, f"--hidden-size: expected >= 1, got {hidden_size}"
+    )
     _check(gpus >= 1, f"--gpus: expected >= 1, got {gpus}")
     _check(nodes >= 1, f"--nodes: expected >= 1, got {nodes}")
     _check(gpus % nodes == 0, f"--nodes: {gpus} GPUs do not split evenly over {nodes} nodes")
@@ -423,7 +429,8 @@ def plan_from_cli(
         raise PlanError(f"--config: file not found: {config}")
     result = plan(
         num_params, gpus=gpus, gpu_memory=memory, nodes=nodes, precision=precision,
-        offload=offload, bandwidth=rate, config=config,
+        offload=offload, bandwidth=rate, config=config, host_memory=host,
+        hidden_size=hidden_size,
     )  # fmt: skip
     if as_json:
         return json.dumps(result.to_dict(), indent=2)
@@ -521,8 +528,15 @@ def render_table(result: PlanResult) -> str:
         console.print(f"Recommended: {_describe(r)} — {_summary(i, r)}.")
     else:
         console.print("Nothing fits on these GPUs.", end=" ")
-        if result.min_gpus:
-            lean = _describe(result.rows[-1])
+        lean_row = result.rows[-1]
+        lean = _describe(lean_row)
+        if result.min_gpus and result.min_gpus <= i.gpus and i.host_memory_bytes:
+            # The GPUs would do; host memory for the offloaded state is what runs out.
+            console.print(
+                f"{lean[0].upper()}{lean[1:]} needs {fmt_bytes(lean_row.host_bytes_per_node)} of "
+                f"host memory per node, more than the {fmt_bytes(i.host_memory_bytes)} given."
+            )
+        elif result.min_gpus:
             console.print(
                 f"{lean[0].upper()}{lean[1:]} needs at least {result.min_gpus} GPUs of this size."
             )
