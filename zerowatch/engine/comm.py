@@ -61,6 +61,11 @@ def _is_cuda(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.data_ptr() != src.data_ptr() or dst.shape != src.shape:
         dst.copy_(src.view_as(dst))
@@ -206,7 +211,7 @@ class Comm:
         `output` may be part r of `input` itself (in place)."""
         nbytes = input.numel() * input.element_size()
         return self._run("reduce_scatter", purpose, nbytes, async_op, input,
-                         lambda a: dist.reduce_scatter_tensor(output, input, group=self.group,
+                         lambda a: _reduce_scatter(output, input, group=self.group,
                                                               async_op=a),
                          lambda: _copy_unless_same(output, input))  # fmt: skip
 
@@ -216,7 +221,7 @@ class Comm:
         r of `output` itself (in place)."""
         nbytes = output.numel() * output.element_size()
         return self._run("all_gather", purpose, nbytes, async_op, output,
-                         lambda a: dist.all_gather_into_tensor(output, input, group=self.group,
+                         lambda a: _all_gather(output, input, group=self.group,
                                                                async_op=a),
                          lambda: _copy_unless_same(output, input))  # fmt: skip
 

@@ -1,0 +1,58 @@
+"""Two gloo ranks under every stage / offload / accumulation combination end with the same
+parameters as one process training the plain model with torch.optim.AdamW."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from support.engine_harness import run_ranks
+from support.engine_scenarios import ds_config, engine_run, max_relative_error, reference_run
+
+pytestmark = pytest.mark.slow
+
+STEPS = 20
+WORLD = 2
+
+
+def _scenarios() -> dict[str, dict[str, Any]]:
+    offloads = {0: [()], 1: [(), ("offload_optimizer",)], 2: [(), ("offload_optimizer",)],
+                3: [(), ("offload_optimizer",), ("offload_param",),
+                    ("offload_optimizer", "offload_param")]}  # fmt: skip
+    out = {}
+    for stage, choices in offloads.items():
+        for i, off in enumerate(choices):
+            for ga in (1, 4):
+                # Alternate synchronous and overlapped reduction across the cases.
+                overlap = (i + ga) % 2 == 1
+                name = f"stage{stage}-ga{ga}-{'+'.join(off) or 'no_offload'}-overlap{int(overlap)}"
+                out[name] = ds_config(stage, ga=ga, overlap=overlap, **dict.fromkeys(off, True))
+    return out
+
+
+SCENARIOS = _scenarios()
+
+
+def _run_all(rank: int, world: int, scenarios: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {name: engine_run(rank, world, cfg, steps=STEPS).state_dict
+            for name, cfg in scenarios.items()}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_ranks(_run_all, WORLD, SCENARIOS, timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[int, Any]:
+    return {ga: reference_run(ga, WORLD, steps=STEPS).state_dict for ga in (1, 4)}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_two_ranks_match_single_process_adamw(name: str, results: list[dict[str, Any]],
+                                              references: dict[int, Any]) -> None:  # fmt: skip
+    ga = SCENARIOS[name]["gradient_accumulation_steps"]
+    err, key = max_relative_error(results[0][name], references[ga])
+    assert err < 1e-5, f"{name}: {key} differs by {err:.2e} (relative)"
+    same, key = max_relative_error(results[1][name], results[0][name])
+    assert same == 0.0, f"{name}: ranks disagree on {key}"
