@@ -11,7 +11,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from zerowatch.server import queries, store
 from zerowatch.server.body import BodyRoute
-from zerowatch.server.deps import DbDep, LiveDep, SettingsDep, require_read, require_write
+from zerowatch.server.deps import (
+    DbDep,
+    IngestorDep,
+    LiveDep,
+    SettingsDep,
+    require_read,
+    require_write,
+)
 
 from zerowatch import events as ev
 
@@ -110,13 +117,16 @@ def delete_run(run_id: RunId, db: DbDep, live: LiveDep) -> dict[str, Any]:
 
 @router.post("/runs/{run_id}/events", dependencies=Write, tags=["ingest"])
 def ingest(
-    run_id: RunId, batch: ev.EventBatch, db: DbDep, live: LiveDep, settings: SettingsDep
+    run_id: RunId,
+    batch: ev.EventBatch,
+    db: DbDep,
+    ingestor: IngestorDep,
+    live: LiveDep,
+    settings: SettingsDep,
 ) -> dict[str, int]:
     """Store a batch of events (gzip allowed); idempotent on (run, rank, seq)."""
     try:
-        result = store.ingest_batch(
-            db, run_id=run_id, batch=batch, trace_sample_every=settings.trace_sample_every
-        )
+        result = ingestor.submit(run_id=run_id, batch=batch)
     except store.BatchError as e:
         raise _unprocessable(e) from None
     if result is None:

@@ -27,6 +27,7 @@ from sqlalchemy.exc import OperationalError
 from starlette.concurrency import run_in_threadpool
 from zerowatch.server import api, queries
 from zerowatch.server.db import Database
+from zerowatch.server.ingest import Ingestor
 from zerowatch.server.live import LiveCache
 from zerowatch.server.metrics import exposition
 from zerowatch.server.settings import Settings, get_settings
@@ -142,6 +143,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.db = db
     app.state.live = live
+    app.state.ingestor = Ingestor(db, trace_sample_every=settings.trace_sample_every)
     _install_error_handlers(app)
     app.add_middleware(RejectNulMiddleware)
     app.include_router(api.router)

@@ -14,6 +14,7 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from zerowatch.server.db import Database
+from zerowatch.server.ingest import Ingestor
 from zerowatch.server.live import LiveCache
 from zerowatch.server.settings import Settings
 
@@ -28,6 +29,10 @@ def _db(request: Request) -> Database:
     return request.app.state.db  # type: ignore[no-any-return]
 
 
+def _ingestor(request: Request) -> Ingestor:
+    return request.app.state.ingestor  # type: ignore[no-any-return]
+
+
 def _live(request: Request) -> LiveCache:
     return request.app.state.live  # type: ignore[no-any-return]
 
@@ -35,6 +40,7 @@ def _live(request: Request) -> LiveCache:
 SettingsDep = Annotated[Settings, Depends(_settings)]
 DbDep = Annotated[Database, Depends(_db)]
 LiveDep = Annotated[LiveCache, Depends(_live)]
+IngestorDep = Annotated[Ingestor, Depends(_ingestor)]
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
@@ -66,6 +72,7 @@ def require_read(settings: SettingsDep, credentials: Credentials) -> None:
 __all__ = [
     "Credentials",
     "DbDep",
+    "IngestorDep",
     "LiveDep",
     "SettingsDep",
     "check_token",

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, delete, func, select, update
+from sqlalchemy import Connection, Float, bindparam, delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from zerowatch.server import models as m
@@ -69,12 +69,6 @@ class IngestResult:
 
 def _insert(conn: Connection, table: Any) -> Any:
     return (pg_insert if conn.dialect.name == "postgresql" else sqlite_insert)(table)
-
-
-def _greatest(conn: Connection, a: Any, b: Any) -> Any:
-    if conn.dialect.name == "postgresql":
-        return func.greatest(a, b)
-    return func.max(a, b)
 
 
 def check_schema_version(version: int) -> None:
@@ -296,6 +290,50 @@ def _collective_rows(pk: int, e: ev.StepEvent) -> Iterable[dict[str, Any]]:
         }
 
 
+class _Statements:
+    """The ingest statements of one dialect, built once (building them costs more than
+    running them for a small batch)."""
+
+    def __init__(self, dialect: str) -> None:
+        ins = pg_insert if dialect == "postgresql" else sqlite_insert
+        greatest = func.greatest if dialect == "postgresql" else func.max
+        self.steps = (
+            ins(m.steps)
+            .on_conflict_do_nothing(index_elements=["run", "rank", "seq"])
+            .returning(m.steps.c.rank, m.steps.c.seq)
+        )
+        self.collectives = ins(m.collectives).on_conflict_do_nothing(
+            index_elements=["run", "rank", "seq", "op", "purpose"]
+        )
+        self.spans = ins(m.spans).on_conflict_do_nothing(index_elements=["run", "rank", "seq"])
+        rs = m.rank_states
+        up = ins(rs)
+        self.ranks = up.on_conflict_do_update(
+            index_elements=["run", "rank"],
+            set_={
+                "steps": rs.c.steps + up.excluded.steps,
+                "last_step": greatest(func.coalesce(rs.c.last_step, -1), up.excluded.last_step),
+                "last_time": greatest(func.coalesce(rs.c.last_time, 0.0), up.excluded.last_time),
+            },
+        )
+        newest = bindparam("newest", type_=Float)
+        self.touch = (
+            update(m.runs)
+            .where(m.runs.c.id == bindparam("pk"))
+            .values(last_event_at=greatest(func.coalesce(m.runs.c.last_event_at, newest), newest))
+        )
+
+
+_STATEMENTS: dict[str, _Statements] = {}
+
+
+def _stmts(conn: Connection) -> _Statements:
+    name = conn.dialect.name
+    if name not in _STATEMENTS:
+        _STATEMENTS[name] = _Statements(name)
+    return _STATEMENTS[name]
+
+
 def ingest_batch(
     db: Database,
     *,
@@ -320,78 +358,67 @@ def ingest_batch(
         BatchError: the batch is inconsistent with the run (nothing is stored).
     """
     now = time.time() if now is None else now
-    result = IngestResult()
     with db.write() as conn:
         ref = run_ref(conn, run_id=run_id)
         if ref is None:
             return None
-        validate_batch(batch, run_id=run_id, world_size=ref.world_size)
+        return _ingest(conn, ref, batch, trace_sample_every=trace_sample_every, now=now)
 
-        # Dedupe inside the batch first (first occurrence wins), then against the table.
-        seen: set[tuple[int, int]] = set()
-        step_events: list[ev.StepEvent] = []
-        end_events: list[ev.EndEvent] = []
-        for e in batch.events:
-            key = (e.rank, e.seq)
-            if key in seen:
-                result.duplicates += 1
-                continue
-            seen.add(key)
-            (end_events if isinstance(e, ev.EndEvent) else step_events).append(e)  # type: ignore[arg-type]
 
-        if step_events:
-            stmt = (
-                _insert(conn, m.steps)
-                .on_conflict_do_nothing(index_elements=["run", "rank", "seq"])
-                .returning(m.steps.c.rank, m.steps.c.seq)
-            )
-            stored = {
-                (r.rank, r.seq)
-                for r in conn.execute(stmt, [_step_row(ref.pk, e) for e in step_events])
-            }
-            new = [e for e in step_events if (e.rank, e.seq) in stored]
-            result.duplicates += len(step_events) - len(new)
-            result.new_steps = new
-            _write_details(conn, ref.pk, new, trace_sample_every)
-            _bump_ranks(conn, ref.pk, new)
+def _ingest(
+    conn: Connection, ref: RunRef, batch: ev.EventBatch, *, trace_sample_every: int, now: float
+) -> IngestResult:
+    """Write one batch inside the caller's transaction. Validation happens first, so a
+    BatchError leaves the transaction untouched."""
+    validate_batch(batch, run_id=ref.run_id, world_size=ref.world_size)
+    st = _stmts(conn)
+    result = IngestResult()
+    # Dedupe inside the batch first (first occurrence wins), then against the table.
+    seen: set[tuple[int, int]] = set()
+    step_events: list[ev.StepEvent] = []
+    end_events: list[ev.EndEvent] = []
+    for e in batch.events:
+        key = (e.rank, e.seq)
+        if key in seen:
+            result.duplicates += 1
+            continue
+        seen.add(key)
+        (end_events if isinstance(e, ev.EndEvent) else step_events).append(e)  # type: ignore[arg-type]
 
-        for e in end_events:
-            if _record_end(conn, ref.pk, e):
-                result.new_ends.append(e)
-            else:
-                result.duplicates += 1
+    if step_events:
+        rows = [_step_row(ref.pk, e) for e in step_events]
+        stored = {(r.rank, r.seq) for r in conn.execute(st.steps, rows)}
+        new = [e for e in step_events if (e.rank, e.seq) in stored]
+        result.duplicates += len(step_events) - len(new)
+        result.new_steps = new
+        _write_details(conn, st, ref.pk, new, trace_sample_every)
+        _bump_ranks(conn, st, ref.pk, new)
 
-        result.accepted = len(result.new_steps) + len(result.new_ends)
-        result.status = ref.status
-        times = [e.time for e in result.new_steps] + [e.time for e in result.new_ends]
-        if times:
-            newest = min(max(times), now)
-            conn.execute(
-                update(m.runs)
-                .where(m.runs.c.id == ref.pk)
-                .values(
-                    last_event_at=_greatest(
-                        conn, func.coalesce(m.runs.c.last_event_at, newest), newest
-                    )
-                )
-            )
-            result.last_event_at = newest
-        if result.new_ends:
-            result.status = _settle_status(conn, ref, now=now)
+    for e in end_events:
+        if _record_end(conn, ref.pk, e):
+            result.new_ends.append(e)
+        else:
+            result.duplicates += 1
+
+    result.accepted = len(result.new_steps) + len(result.new_ends)
+    result.status = ref.status
+    times = [e.time for e in result.new_steps] + [e.time for e in result.new_ends]
+    if times:
+        newest = min(max(times), now)
+        conn.execute(st.touch, {"pk": ref.pk, "newest": newest})
+        result.last_event_at = newest
+    if result.new_ends:
+        result.status = _settle_status(conn, ref, now=now)
+        ref.status = result.status
     return result
 
 
 def _write_details(
-    conn: Connection, pk: int, new: list[ev.StepEvent], trace_sample_every: int
+    conn: Connection, st: _Statements, pk: int, new: list[ev.StepEvent], trace_sample_every: int
 ) -> None:
     coll_rows = [row for e in new for row in _collective_rows(pk, e)]
     if coll_rows:
-        conn.execute(
-            _insert(conn, m.collectives).on_conflict_do_nothing(
-                index_elements=["run", "rank", "seq", "op", "purpose"]
-            ),
-            coll_rows,
-        )
+        conn.execute(st.collectives, coll_rows)
     span_rows = [
         {
             "run": pk,
@@ -404,13 +431,10 @@ def _write_details(
         if e.spans and e.step % trace_sample_every == 0
     ]
     if span_rows:
-        conn.execute(
-            _insert(conn, m.spans).on_conflict_do_nothing(index_elements=["run", "rank", "seq"]),
-            span_rows,
-        )
+        conn.execute(st.spans, span_rows)
 
 
-def _bump_ranks(conn: Connection, pk: int, new: list[ev.StepEvent]) -> None:
+def _bump_ranks(conn: Connection, st: _Statements, pk: int, new: list[ev.StepEvent]) -> None:
     per_rank: dict[int, list[float]] = {}
     for e in new:
         acc = per_rank.setdefault(e.rank, [0, -1, 0.0])
@@ -431,21 +455,7 @@ def _bump_ranks(conn: Connection, pk: int, new: list[ev.StepEvent]) -> None:
         }
         for rank, (n, last, t) in sorted(per_rank.items())
     ]
-    rs = m.rank_states
-    stmt = _insert(conn, rs)
-    stmt = stmt.on_conflict_do_update(
-        index_elements=["run", "rank"],
-        set_={
-            "steps": rs.c.steps + stmt.excluded.steps,
-            "last_step": _greatest(
-                conn, func.coalesce(rs.c.last_step, -1), stmt.excluded.last_step
-            ),
-            "last_time": _greatest(
-                conn, func.coalesce(rs.c.last_time, 0.0), stmt.excluded.last_time
-            ),
-        },
-    )
-    conn.execute(stmt, rows)
+    conn.execute(st.ranks, rows)
 
 
 def _record_end(conn: Connection, pk: int, e: ev.EndEvent) -> bool:

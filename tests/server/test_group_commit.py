@@ -1,0 +1,65 @@
+"""Concurrent batches share transactions (group commit) without one batch's fault touching
+another's events."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from zerowatch.server import queries, store
+from zerowatch.server.db import Database
+from zerowatch.server.ingest import Ingestor
+
+from zerowatch import events as ev
+from zerowatch import simulate
+
+SPEC = simulate.SimSpec(world_size=8, stage=3, spans_every=0)
+
+
+def test_concurrent_batches_are_grouped_and_a_bad_one_fails_alone(db: Database) -> None:
+    rc = simulate.run_create(SPEC)
+    store.create_run(db, run=rc)
+    ingestor = Ingestor(db)
+    errors: dict[int, BaseException] = {}
+    results: dict[int, store.IngestResult | None] = {}
+    barrier = threading.Barrier(8)
+
+    def rank(r: int) -> None:
+        barrier.wait()
+        for s in range(20):
+            e = simulate.step_event(SPEC, r, s)
+            if r == 5 and s == 7:
+                e.rank = 99  # outside the world: this batch alone is refused
+            try:
+                results[r * 100 + s] = ingestor.submit(
+                    run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, [e])
+                )
+            except store.BatchError as err:
+                errors[r * 100 + s] = err
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert list(errors) == [507] and errors[507].loc[-1] == "rank"
+    assert ingestor.batches == 160 and ingestor.groups < ingestor.batches
+    run = queries.get_run(db=db, run_id=rc.run_id)
+    assert run is not None
+    assert [x["steps"] for x in run["ranks"]] == [20, 20, 20, 20, 20, 19, 20, 20]
+    assert ingestor.submit(run_id="missing", batch=ev.EventBatch("missing", [])) is None
+
+
+def test_a_failing_group_is_retried_batch_by_batch(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rc = simulate.run_create(SPEC)
+    store.create_run(db, run=rc)
+    ingestor = Ingestor(db)
+    monkeypatch.setattr(
+        ingestor, "_write_group", lambda group: (_ for _ in ()).throw(RuntimeError("x"))
+    )
+    out = ingestor.submit(
+        run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, [simulate.step_event(SPEC, 0, 0)])
+    )
+    assert out is not None and out.accepted == 1
