@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 from zerowatch.dashboards import theme as th
 
 from zerowatch import theory
@@ -125,35 +124,26 @@ def memory(rows: Sequence[StagePlan], gpu_memory_bytes: float) -> go.Figure:
 def communication(
     rows: Sequence[StagePlan], bandwidth_bytes_per_s: float | None = None
 ) -> go.Figure:
-    """Collective bytes per step for each option; with a bus bandwidth, the seconds they take."""
-    fig = make_subplots(specs=[[{"secondary_y": bandwidth_bytes_per_s is not None}]])
-    fig.update_layout(th.base_layout("Communication per step by ZeRO stage", height=440,
-                                     legend=_LEGEND_RIGHT,
-                                     margin={"l": 64, "r": 200, "t": 56, "b": 90}))  # fmt: skip
+    """Collective bytes per step for each option; with a bus bandwidth, the seconds the bytes
+    a rank sends take at it (right axis)."""
+    fig = th.figure("Communication per step by ZeRO stage", height=440, legend=_LEGEND_RIGHT,
+                    margin={"l": 64, "r": 200, "t": 56, "b": 90})  # fmt: skip
     x = [r.label for r in rows]
     fig.add_trace(
-        go.Bar(
-            x=x,
-            y=[r.comm_bytes / th.GIB for r in rows],
-            name="collective size per step",
-            marker={"color": "#F58518"},
-            hovertemplate="%{y:.4~f} GiB per step",
-        )
-    )
+        go.Bar(x=x, y=[r.comm_bytes / th.GIB for r in rows], name="collective size per step",
+               marker={"color": "#F58518"}, hovertemplate="%{y:.4~f} GiB per step")
+    )  # fmt: skip
     if bandwidth_bytes_per_s:
         fig.add_trace(
-            go.Scatter(
-                x=x,
-                y=[r.traffic_bytes / bandwidth_bytes_per_s for r in rows],
-                name=f"time at {bandwidth_bytes_per_s / th.GB:.3g} GB/s bus bandwidth",
-                mode="markers+lines",
-                marker={"size": 10, "color": "#2d3436"},
-                hovertemplate="%{y:.3~f} s per step",
-            ),
-            secondary_y=True,
-        )
-        fig.update_yaxes(title_text="seconds per step", secondary_y=True, rangemode="tozero")
-    fig.update_yaxes(title_text="bytes per step (GiB)", secondary_y=False, rangemode="tozero")
+            go.Scatter(x=x, y=[r.traffic_bytes / bandwidth_bytes_per_s for r in rows],
+                       name=f"time at {bandwidth_bytes_per_s / th.GB:.3g} GB/s bus bandwidth",
+                       mode="markers+lines", marker={"size": 10, "color": "#2d3436"},
+                       hovertemplate="%{y:.3~f} s per step", yaxis="y2")
+        )  # fmt: skip
+        fig.update_layout(yaxis2={**th.AXIS_STYLE, "title": {"text": "seconds per step"},
+                                  "overlaying": "y", "side": "right", "rangemode": "tozero",
+                                  "showgrid": False})  # fmt: skip
+    fig.update_layout(yaxis={"title": {"text": "bytes per step (GiB)"}, "rangemode": "tozero"})
     return fig
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 from zerowatch.dashboards import theme as th
 from zerowatch.dashboards.data import RankGrid, RunView, Series, SizePoints, straggler
 
@@ -114,57 +113,33 @@ def collectives(latency: Mapping[str, Series], busbw: Mapping[str, Series]) -> g
         latency: seconds per call, averaged over the step's calls, by op.
         busbw: nccl-tests bus bandwidth in bytes/s, by op.
     """
-    fig = make_subplots(
-        rows=2,
-        cols=1,
-        shared_xaxes=True,
-        vertical_spacing=0.1,
-        subplot_titles=("latency per call", "bus bandwidth"),
-    )
-    fig.update_layout(
-        th.base_layout(
-            "Collectives over steps", height=480, margin={"l": 64, "r": 24, "t": 90, "b": 48}
-        )
-    )
+    fig = th.rows_figure(
+        "Collectives over steps", ["latency per call", "bus bandwidth"], height=480,
+        margin={"l": 64, "r": 24, "t": 90, "b": 48}, hovermode="x unified",
+    )  # fmt: skip
     fig.update_layout(legend={"y": 1.1})
-    ops = sorted(set(latency) | set(busbw))
-    for op in ops:
+    for op in sorted(set(latency) | set(busbw)):
         color = th.OP_COLORS.get(op)
         lat = latency.get(op)
         if lat:
             fig.add_trace(
-                go.Scatter(
-                    x=list(lat.steps),
-                    y=th.scaled(lat.values, 1e-3),
-                    name=th.op_label(op),
-                    legendgroup=op,
-                    mode="lines",
-                    line={"color": color},
-                    hovertemplate="%{y:.3~f} ms",
-                ),
-                row=1,
-                col=1,
-            )
+                go.Scatter(x=list(lat.steps), y=th.scaled(lat.values, 1e-3), name=th.op_label(op),
+                           legendgroup=op, mode="lines", line={"color": color},
+                           hovertemplate="%{y:.3~f} ms", **th.panel_axes(1))
+            )  # fmt: skip
         bw = busbw.get(op)
         if bw:
             fig.add_trace(
-                go.Scatter(
-                    x=list(bw.steps),
-                    y=th.scaled(bw.values, th.GB),
-                    name=th.op_label(op),
-                    legendgroup=op,
-                    showlegend=not lat,
-                    mode="lines",
-                    line={"color": color, "dash": "solid"},
-                    hovertemplate="%{y:.3~f} GB/s",
-                ),
-                row=2,
-                col=1,
-            )
-    fig.update_yaxes(title_text="latency (ms)", rangemode="tozero", row=1, col=1)
-    fig.update_yaxes(title_text="bus bandwidth (GB/s)", rangemode="tozero", row=2, col=1)
-    fig.update_xaxes(title_text="step", row=2, col=1)
-    fig.update_layout(hovermode="x unified")
+                go.Scatter(x=list(bw.steps), y=th.scaled(bw.values, th.GB), name=th.op_label(op),
+                           legendgroup=op, showlegend=not lat, mode="lines",
+                           line={"color": color}, hovertemplate="%{y:.3~f} GB/s",
+                           **th.panel_axes(2))
+            )  # fmt: skip
+    fig.update_layout(
+        yaxis={"title": {"text": "latency (ms)"}, "rangemode": "tozero"},
+        yaxis2={"title": {"text": "bus bandwidth (GB/s)"}, "rangemode": "tozero"},
+        xaxis2={"title": {"text": "step"}},
+    )
     return fig
 
 
@@ -348,96 +323,45 @@ def training(
     panels = ["gradient norm, pre-clip (✕ clipped)", "loss", "learning rate"]
     if loss_scale or skipped_steps:
         panels.append("loss scale (▼ skipped step)")
-    fig = make_subplots(
-        rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.06, subplot_titles=panels
-    )
-    fig.update_layout(th.base_layout("Training signals", height=170 * len(panels) + 80))
-    fig.update_layout(showlegend=False)
-    fig.add_trace(
-        go.Scatter(
-            x=list(grad_norm.steps),
-            y=list(grad_norm.values),
-            name="grad norm",
-            mode="lines",
-            line={"color": "#4C78A8"},
-            hovertemplate="%{y:.4~g}",
-        ),
-        row=1,
-        col=1,
-    )
+    n = len(panels)
+    fig = th.rows_figure("Training signals", panels, height=170 * n + 80, gap=0.06,
+                         showlegend=False, hovermode="x unified")  # fmt: skip
+
+    def line(s: Series, k: int, name: str, color: str, hover: str, **kw: object) -> None:
+        fig.add_trace(go.Scatter(x=list(s.steps), y=list(s.values), name=name, mode="lines",
+                                 line={"color": color, **kw}, hovertemplate=hover,
+                                 **th.panel_axes(k)))  # fmt: skip
+
+    line(grad_norm, 1, "grad norm", "#4C78A8", "%{y:.4~g}")
     if clipped_steps:
         at = dict(zip(grad_norm.steps, grad_norm.values, strict=True))
         xs = [s for s in clipped_steps if at.get(s) is not None]
         fig.add_trace(
-            go.Scatter(
-                x=xs,
-                y=[at[s] for s in xs],
-                name="clipped",
-                mode="markers",
-                marker={"symbol": "x", "color": th.EXPOSED_COLOR, "size": 8},
-                hovertemplate="clipped at step %{x}",
-            ),
-            row=1,
-            col=1,
-        )
-    fig.add_trace(
-        go.Scatter(
-            x=list(loss.steps),
-            y=list(loss.values),
-            name="loss",
-            mode="lines",
-            line={"color": "#54A24B"},
-            hovertemplate="%{y:.4~f}",
-        ),
-        row=2,
-        col=1,
-    )
-    fig.add_trace(
-        go.Scatter(
-            x=list(lr.steps),
-            y=list(lr.values),
-            name="learning rate",
-            mode="lines",
-            line={"color": "#B279A2"},
-            hovertemplate="%{y:.3~e}",
-        ),
-        row=3,
-        col=1,
-    )
-    if len(panels) == 4:
+            go.Scatter(x=xs, y=[at[s] for s in xs], name="clipped", mode="markers",
+                       marker={"symbol": "x", "color": th.EXPOSED_COLOR, "size": 8},
+                       hovertemplate="clipped at step %{x}", **th.panel_axes(1))
+        )  # fmt: skip
+    line(loss, 2, "loss", "#54A24B", "%{y:.4~f}")
+    line(lr, 3, "learning rate", "#B279A2", "%{y:.3~e}")
+    axes: dict[str, object] = {
+        "yaxis": {"title": {"text": "norm"}},
+        "yaxis2": {"title": {"text": "loss"}},
+        "yaxis3": {"title": {"text": "lr"}, "exponentformat": "e"},
+        f"xaxis{n}": {"title": {"text": "step"}},
+    }
+    if n == 4:
         ls = loss_scale or Series()
-        fig.add_trace(
-            go.Scatter(
-                x=list(ls.steps),
-                y=list(ls.values),
-                name="loss scale",
-                mode="lines",
-                line={"color": "#F58518", "shape": "hv"},
-                hovertemplate="%{y:.0f}",
-            ),
-            row=4,
-            col=1,
-        )
+        line(ls, 4, "loss scale", "#F58518", "%{y:.0f}", shape="hv")
         if skipped_steps:
             at = dict(zip(ls.steps, ls.values, strict=True))
             fig.add_trace(
-                go.Scatter(
-                    x=list(skipped_steps),
-                    y=[at.get(s) or 1.0 for s in skipped_steps],
-                    name="skipped step",
-                    mode="markers",
-                    marker={"symbol": "triangle-down", "size": 9, "color": th.EXPOSED_COLOR},
-                    hovertemplate="step %{x} skipped (overflow)",
-                ),
-                row=4,
-                col=1,
-            )
-        fig.update_yaxes(title_text="scale", type="log", dtick=1, row=4, col=1)
-    fig.update_yaxes(title_text="norm", row=1, col=1)
-    fig.update_yaxes(title_text="loss", row=2, col=1)
-    fig.update_yaxes(title_text="lr", exponentformat="e", row=3, col=1)
-    fig.update_xaxes(title_text="step", row=len(panels), col=1)
-    fig.update_layout(hovermode="x unified")
+                go.Scatter(x=list(skipped_steps), y=[at.get(s) or 1.0 for s in skipped_steps],
+                           name="skipped step", mode="markers",
+                           marker={"symbol": "triangle-down", "size": 9, "color": th.EXPOSED_COLOR},
+                           hovertemplate="step %{x} skipped (overflow)", **th.panel_axes(4))
+            )  # fmt: skip
+        axes["yaxis4"] = {"title": {"text": "scale"}, "type": "log", "dtick": 1}
+    fig.update_layout(axes)
     return fig
 
 

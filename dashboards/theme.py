@@ -157,10 +157,69 @@ def scaled(values: Iterable[float | None], factor: float) -> list[float | None]:
 # -- layout ---------------------------------------------------------------------------------
 
 
+#: Axis look of every chart (plotly_white's grid), applied to subplot axes by `style_axes`.
+AXIS_STYLE: dict[str, object] = {
+    "gridcolor": "#EBF0F8", "linecolor": "#EBF0F8", "zerolinecolor": "#EBF0F8",
+    "zerolinewidth": 2, "automargin": True, "showline": False, "ticks": "",
+}  # fmt: skip
+
+
+def style_axes(fig: go.Figure) -> go.Figure:
+    """Give every axis of a figure (subplots included) the zerowatch look."""
+    fig.update_xaxes(**AXIS_STYLE)
+    fig.update_yaxes(**AXIS_STYLE)
+    return fig
+
+
+def _axis_key(axis: str, k: int) -> str:
+    return axis if k == 1 else f"{axis}{k}"
+
+
+def rows_figure(
+    title: str, panels: list[str], *, height: int, gap: float = 0.09, **layout: object
+) -> go.Figure:
+    """A figure of stacked panels sharing one step axis: panel k (1 = top) draws on axes
+    `x{k}`/`y{k}` (`x`/`y` for the first), its title above it.
+
+    Laid out by hand: plotly's make_subplots costs tens of milliseconds per figure, which a
+    page of several charts, rebuilt on every live update, would pay each time.
+    """
+    n = len(panels)
+    span = (1.0 - gap * (n - 1)) / n
+    spec: dict[str, object] = {}
+    annotations = []
+    for k in range(1, n + 1):
+        top = 1.0 - (k - 1) * (span + gap)
+        spec[_axis_key("yaxis", k)] = {
+            **AXIS_STYLE,
+            "domain": [max(round(top - span, 6), 0.0), round(top, 6)],
+            "anchor": f"x{k}" if k > 1 else "x",
+        }
+        spec[_axis_key("xaxis", k)] = {
+            **AXIS_STYLE, "anchor": f"y{k}" if k > 1 else "y", "showticklabels": k == n,
+            **({"matches": "x"} if k > 1 else {}),
+        }  # fmt: skip
+        annotations.append({"text": panels[k - 1], "x": 0.5, "xref": "paper", "xanchor": "center",
+                            "y": top, "yref": "paper", "yanchor": "bottom", "showarrow": False,
+                            "font": {"size": 13}})  # fmt: skip
+    return go.Figure(layout={**base_layout(title, height=height), **spec, "annotations": annotations,
+                             **layout})  # fmt: skip
+
+
+def panel_axes(k: int) -> dict[str, str]:
+    """The trace properties that put a trace on panel k of a `rows_figure`."""
+    return {"xaxis": "x" if k == 1 else f"x{k}", "yaxis": "y" if k == 1 else f"y{k}"}
+
+
 def base_layout(title: str, *, height: int = 360, **extra: object) -> dict[str, object]:
     """The common layout: white background, light grid, legend on top, unified hover."""
     layout: dict[str, object] = {
-        "template": "plotly_white",
+        # plotly_white's look set directly: a named template costs a deep copy per figure.
+        "template": "none",
+        "colorway": list(SERIES_COLORS),
+        "plot_bgcolor": "white",
+        "xaxis": dict(AXIS_STYLE),
+        "yaxis": dict(AXIS_STYLE),
         "title": {"text": title, "x": 0.0, "xanchor": "left", "font": {"size": 15}},
         "font": {"family": FONT, "size": 12, "color": "#2d3436"},
         "height": height,
@@ -215,6 +274,7 @@ def finite(values: Sequence[float | None]) -> list[float]:
 
 
 __all__ = [
+    "AXIS_STYLE",
     "CAPACITY_COLOR",
     "DIRECTION_COLORS",
     "DIRECTION_LABELS",
@@ -240,7 +300,10 @@ __all__ = [
     "kind_label",
     "note_figure",
     "op_label",
+    "panel_axes",
     "phase_label",
+    "rows_figure",
     "scaled",
+    "style_axes",
     "text",
 ]

@@ -32,6 +32,8 @@ from zerowatch import events as ev
 MAX_POINTS = 400
 #: Most rank-steps one page reads.
 ROW_BUDGET = 60_000
+#: Steps whose memory records (the widest column) the memory chart reads.
+MEMORY_POINTS = 16
 
 
 def sample_steps(first: int, last: int, n: int) -> list[int]:
@@ -67,7 +69,22 @@ def _read_steps(conn: Connection, pk: int, steps: Sequence[int]) -> list[Any]:
     s = m.steps
     cols = (s.c.rank, s.c.step, s.c.step_time_s, s.c.exposed_comm_s, s.c.grad_norm, s.c.clipped,
             s.c.loss, s.c.lr, s.c.loss_scale, s.c.skipped, s.c.samples_per_s, s.c.phases,
-            s.c.offload, s.c.memory)  # fmt: skip
+            s.c.offload)  # fmt: skip
+    return _rows_at(conn, pk, steps, cols)
+
+
+def _read_memory(conn: Connection, pk: int, steps: Sequence[int]) -> list[Any]:
+    """The memory records of a few of the sampled steps (newest last): peaks change slowly,
+    and decoding a memory record per sampled rank-step would cost more than the chart."""
+    if len(steps) > MEMORY_POINTS:
+        stride = len(steps) / MEMORY_POINTS
+        steps = sorted({steps[int(i * stride)] for i in range(MEMORY_POINTS)} | {steps[-1]})
+    s = m.steps
+    return _rows_at(conn, pk, steps, (s.c.rank, s.c.step, s.c.memory))
+
+
+def _rows_at(conn: Connection, pk: int, steps: Sequence[int], cols: Sequence[Any]) -> list[Any]:
+    s = m.steps
     q = select(*cols).where(s.c.run == pk)
     if steps and steps[-1] - steps[0] + 1 == len(steps):
         q = q.where(s.c.step.between(steps[0], steps[-1]))
@@ -118,9 +135,11 @@ def run_view(
         n = max(2, min(max_points, row_budget // max(int(run["world_size"]), 1)))
         steps = sample_steps(rng[0], rng[1], n)
         step_rows = _read_steps(conn, pk, steps)
+        memory_rows = _read_memory(conn, pk, steps)
         coll_rows = _read_collectives(conn, pk, steps)
     view.last_step = rng[1]
     _fill_steps(view, step_rows)
+    _fill_memory(view, memory_rows)
     _fill_collectives(view, coll_rows)
     return view
 
@@ -137,7 +156,6 @@ def _fill_steps(view: RunView, rows: list[Any]) -> None:
     heat: dict[int, dict[int, float]] = defaultdict(dict)
     clipped: set[int] = set()
     skipped: set[int] = set()
-    capacity = 0.0
     for r in rows:
         step_time[r.step].append(r.step_time_s)
         exposed[r.step].append(r.exposed_comm_s)
@@ -154,16 +172,6 @@ def _fill_steps(view: RunView, rows: list[Any]) -> None:
             clipped.add(r.step)
         if r.skipped:
             skipped.add(r.step)
-        mem = r.memory or {}
-        if mem:
-            peaks = view.peaks.setdefault(r.rank, {})
-            for phase, b in (mem.get("peak_by_phase") or {}).items():
-                peaks[phase] = max(peaks.get(phase, 0.0), float(b))
-            if mem.get("model_state"):  # rows are in step order: the newest wins
-                view.model_state[r.rank] = {k: float(v) for k, v in mem["model_state"].items()}
-            if mem.get("model_state_theory") and not view.theory:
-                view.theory = {k: float(v) for k, v in mem["model_state_theory"].items()}
-            capacity = max(capacity, float(mem.get("capacity_bytes") or 0))
     steps = sorted(step_time)
     view.steps = steps
     view.step_time = _series(step_time, steps)
@@ -176,9 +184,25 @@ def _fill_steps(view: RunView, rows: list[Any]) -> None:
     view.loss_scale = _series(loss_scale, steps)
     view.clipped_steps = sorted(clipped)
     view.skipped_steps = sorted(skipped)
-    view.capacity_bytes = capacity or None
     ranks = sorted(heat)
     view.heat = RankGrid(ranks, steps, [[heat[r].get(s) for s in steps] for r in ranks])
+
+
+def _fill_memory(view: RunView, rows: list[Any]) -> None:
+    capacity = 0.0
+    for r in rows:  # in step order: the newest model state wins
+        mem = r.memory or {}
+        if not mem:
+            continue
+        peaks = view.peaks.setdefault(r.rank, {})
+        for phase, b in (mem.get("peak_by_phase") or {}).items():
+            peaks[phase] = max(peaks.get(phase, 0.0), float(b))
+        if mem.get("model_state"):
+            view.model_state[r.rank] = {k: float(v) for k, v in mem["model_state"].items()}
+        if mem.get("model_state_theory") and not view.theory:
+            view.theory = {k: float(v) for k, v in mem["model_state_theory"].items()}
+        capacity = max(capacity, float(mem.get("capacity_bytes") or 0))
+    view.capacity_bytes = capacity or None
 
 
 def _fill_collectives(view: RunView, rows: list[Any]) -> None:
@@ -217,8 +241,10 @@ def run_summary(
     with db.read() as conn:
         pk = _pk(conn, run_id)
         rng = _step_range(conn, pk, run) if pk is not None else None
+        window = max(1, min(window, ROW_BUDGET // max(int(run["world_size"]), 1)))
         steps = sample_steps(max(rng[0], rng[1] - window + 1), rng[1], window) if rng else []
         step_rows = _read_steps(conn, pk, steps) if steps and pk is not None else []
+        memory_rows = _read_memory(conn, pk, steps[-1:]) if steps and pk is not None else []
         coll_rows = _read_collectives(conn, pk, steps) if steps and pk is not None else []
     phases: dict[str, list[float]] = defaultdict(list)
     per_rank_sps: dict[int, list[float]] = defaultdict(list)
@@ -228,6 +254,7 @@ def run_summary(
             phases[name].append(seconds)
         if r.samples_per_s is not None:
             per_rank_sps[r.rank].append(r.samples_per_s)
+    for r in memory_rows:
         if (r.memory or {}).get("model_state"):
             model_state[r.rank] = {k: float(v) for k, v in r.memory["model_state"].items()}
     # Bytes per step per rank by op: total over the (rank, step)s read, divided by their number.

@@ -25,7 +25,7 @@ from zerowatch.dashboards import html
 from zerowatch.dashboards import plan as plan_figs
 from zerowatch.dashboards import run as run_figs
 from zerowatch.dashboards import theme as th
-from zerowatch.dashboards.data import RunView, straggler
+from zerowatch.dashboards.data import RunView, Series, straggler
 from zerowatch.server import page_queries, queries
 from zerowatch.server.deps import DbDep, SettingsDep, require_read
 
@@ -40,6 +40,10 @@ MAX_COMPARE = 12
 CACHE = {"Cache-Control": "public, max-age=86400"}
 
 router = APIRouter(include_in_schema=False, dependencies=[Depends(require_read)])
+
+# plotly loads its validators on first use (~0.2 s): pay that when the server starts, not on
+# the first page someone opens.
+run_figs.step_breakdown(Series([0], [1.0]), {"forward": Series([0], [0.5])})
 
 
 # -- helpers ----------------------------------------------------------------------------------

@@ -11,6 +11,7 @@
   var config = readJSON("zw-plot-config") || { responsive: true, displaylogo: false };
 
   function draw(figures, react) {
+    if (typeof Plotly === "undefined") return;
     Object.keys(figures).forEach(function (key) {
       var div = document.getElementById("chart-" + key);
       if (!div) return;
