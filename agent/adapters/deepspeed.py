@@ -5,8 +5,10 @@ run and restored on detach:
 
     forward         a forward pre-hook (first of all) and a forward hook (always called) on
                     the engine module: DeepSpeed's `fwd` timer runs inside them
-    backward        `engine.backward(loss)`: DeepSpeed's `bwd` (loss scaling, autograd and
-                    the gradient-reduction epilogue)
+    backward        from the first gradient reaching the engine's outputs (a tensor hook, at
+                    the point where DeepSpeed's own hook starts its `bwd` timer) to the end of
+                    `engine.backward(loss)`, after the gradient-reduction epilogue; a bare
+                    `loss.backward()` ends it with an autograd-engine callback instead
     grad_reduce     `engine.allreduce_gradients()`, which the backward epilogue calls:
                     DeepSpeed's `bwd_allreduce`
     optimizer_step  `engine.step()`: DeepSpeed's `step` timer covers the same call
@@ -167,20 +169,50 @@ class DeepSpeedAdapter:
             self._uninstall()
 
     def _install(self) -> None:
+        import torch
+        from torch.autograd import Variable
+        from torch.utils._pytree import tree_leaves
+
         e, board = self.engine, self.board
+        state = {"in_engine_backward": False}
+
+        def backward_done() -> None:
+            board.end("backward")
+
+        def gradient_reaches_outputs(grad: Any) -> Any:
+            # Where DeepSpeed starts its `bwd` timer (its own hook on the same outputs).
+            if not board.is_open("backward"):
+                board.start("backward")
+                if not state["in_engine_backward"]:  # loss.backward() called directly
+                    Variable._execution_engine.queue_callback(backward_done)
+            return grad
 
         def pre_forward(_module: Any, _args: Any) -> None:
             board.begin_forward()
 
-        def post_forward(_module: Any, _args: Any, _out: Any) -> None:
+        def post_forward(_module: Any, _args: Any, output: Any) -> None:
             board.end("forward")
+            if torch.is_grad_enabled():
+                for t in tree_leaves(output):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(gradient_reaches_outputs)
 
         self._handles = [
             e.register_forward_pre_hook(pre_forward, prepend=True),
             e.register_forward_hook(post_forward, always_call=True),
         ]
         self._skipped_before = int(getattr(e, "skipped_steps", 0) or 0)
-        self._wrap("backward", "backward")
+        backward = e.backward
+
+        def backward_wrapper(*args: Any, **kwargs: Any) -> Any:
+            state["in_engine_backward"] = True
+            try:
+                return backward(*args, **kwargs)
+            finally:
+                state["in_engine_backward"] = False
+                board.end("backward")  # after DeepSpeed's epilogue stopped `bwd`
+
+        self._set("backward", backward_wrapper)
         self._wrap("allreduce_gradients", "grad_reduce")
         step = e.step  # the bound method (or whatever wraps it already)
 
