@@ -26,7 +26,7 @@ CASES = {
     "stage2-bf16-offload": ds_config(2, ga=GA, precision="bf16", offload_optimizer=True),
     "stage3-bf16-offload-all": ds_config(
         3, ga=GA, precision="bf16", offload_optimizer=True, offload_param=True
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -58,7 +58,7 @@ def _measure(rank: int, world: int) -> dict[str, Any]:
                 precision=engine.precision,
                 gradient_accumulation_steps=GA,
                 persistent_params=engine.num_persistent_parameters,
-            ),  # fmt: skip
+            ),
             "persistent": engine.num_persistent_parameters,
         }
     return out

@@ -44,9 +44,10 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[...
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
-              timeout_s: float = 60.0) -> list[Any]:  # fmt: skip
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; each rank's result."""
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0,
+              may_die: frozenset[int] = frozenset()) -> list[Any]:  # fmt: skip
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; each rank's result
+    (None for a rank in `may_die` that left no result)."""
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.get_context("spawn")
         port = free_port()
@@ -61,6 +62,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
         results = []
         for r in range(world_size):
             f = Path(out) / f"rank{r}.pt"
+            if not f.exists() and r in may_die:
+                results.append(None)
+                continue
             if not f.exists():
                 raise RuntimeError(f"rank {r} produced no result (exit code {procs[r].exitcode})")
             res = torch.load(f, weights_only=False)

@@ -123,3 +123,60 @@ def max_relative_error(
         if err > worst:
             worst, key = err, k
     return worst, key
+
+
+# -- odd models ------------------------------------------------------------------------------
+
+#: Sizes that do not divide by 2 or 4 ranks (9 * 37 = 333 embedding elements, 9-wide norms).
+ODD = GPTConfig(vocab_size=37, seq_len=7, d_model=9, n_layers=2, n_heads=3, tied=False)
+TIED = GPTConfig(vocab_size=33, seq_len=8, d_model=16, n_layers=2, n_heads=2, tied=True)
+
+
+def build_frozen(cfg: GPTConfig) -> nn.Module:
+    """Position embedding frozen: not trained, not sharded, not in the optimizer."""
+    model = GPT(cfg)
+    model.pos_emb.weight.requires_grad_(False)
+    return model
+
+
+class BufferedGPT(GPT):
+    """A persistent buffer that differs per rank at construction: the engine must start
+    every rank from rank 0's value (and keep it in checkpoints and state dicts)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.temperature: torch.Tensor
+        self.register_buffer("temperature", torch.tensor(1.5 + rank))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        out = super().forward(idx, None) / self.temperature
+        if targets is None:
+            return out
+        return torch.nn.functional.cross_entropy(out.float().reshape(-1, out.shape[-1]),
+                                                 targets.reshape(-1))  # fmt: skip
+
+
+class TwiceGPT(GPT):
+    """Runs the first block twice in one forward (a module called twice)."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok_emb(idx) + self.pos_emb(self.positions[:t])
+        x = self.blocks[0](x)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                 targets.reshape(-1))  # fmt: skip
+
+
+class AllOddGPT(TwiceGPT):
+    """Tied, frozen, buffered and twice-called at once."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        self.pos_emb.weight.requires_grad_(False)
+        self.register_buffer("shift", torch.full((cfg.vocab_size,), 0.1))

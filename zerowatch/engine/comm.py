@@ -83,6 +83,7 @@ class Handle:
         self._cuda_start = cuda_start
         self._end: float | None = None
         self._exposed = 0.0
+        self._wait_start = start
         self._reported = False
         self._waited = False
         self._has_future = False
@@ -111,6 +112,7 @@ class Handle:
             self._work.wait()
         t1 = time.perf_counter()
         self._exposed = t1 - t0
+        self._wait_start = t0
         cuda_events = None
         if self._cuda_start is not None:
             end_ev = torch.cuda.Event(enable_timing=True)
@@ -128,8 +130,11 @@ class Handle:
                 return
             self._reported = True
         end = self._end if self._end is not None else time.perf_counter()
+        # Exposed = the part of the latency the training thread spent waiting: from the
+        # start of wait() to completion (not the thread's wake-up delay after it).
+        exposed = min(self._exposed, max(0.0, end - self._wait_start))
         self._comm._emit(self._op, self._purpose, self._nbytes, self._start, end, True,
-                         self._exposed, cuda_events)  # fmt: skip
+                         exposed, cuda_events)  # fmt: skip
 
 
 class _Done(Handle):
