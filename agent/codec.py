@@ -15,9 +15,27 @@ from typing import Any
 from zerowatch import events as ev
 
 
+def _plain(value: Any) -> Any:
+    if hasattr(value, "__dataclass_fields__"):
+        return {name: _plain(getattr(value, name)) for name in value.__dataclass_fields__}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
 def to_dict(obj: Any) -> dict[str, Any]:
-    """A wire event or RunCreate as a plain JSON-able dict."""
-    return dataclasses.asdict(obj)
+    """A wire event or RunCreate as a plain JSON-able dict.
+
+    What `dataclasses.asdict` gives, without its deep copies (several times faster; this
+    runs for every event on the shipper thread, which shares the GIL with training).
+    """
+    if not dataclasses.is_dataclass(obj):
+        raise TypeError(f"expected a wire dataclass, got {type(obj).__name__}")
+    out = _plain(obj)
+    assert isinstance(out, dict)
+    return out
 
 
 def dumps(obj: dict[str, Any]) -> bytes:

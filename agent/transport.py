@@ -22,10 +22,10 @@ process: events go to the spool, for `zerowatch upload` with the right token.
 from __future__ import annotations
 
 import contextlib
-import queue
 import random
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +81,9 @@ class Transport:
         self._client = client
         self.spool = spool
         self._health = health
-        self._q: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        # A deque, not a queue.Queue: appending wakes nobody, so handing over an event costs
+        # the training thread no thread switch; the shipper looks every flush interval.
+        self._q: deque[Any] = deque()
         self._queue_size = queue_size
         self._batch_max = batch_max_events
         self._flush_interval = flush_interval_s
@@ -107,19 +109,18 @@ class Transport:
 
     def submit(self, event: Any) -> None:
         """Hand one event to the shipper; never blocks, never raises."""
-        try:
-            self._q.put_nowait(event)
-        except queue.Full:
+        q = self._q
+        if len(q) >= self._queue_size:
             self._health.drop(
                 1,
                 f"the agent's queue is full (queue_size={self._queue_size}); the shipper is behind",
             )
             return
+        q.append(event)
         stats = self.stats
         stats.submitted += 1
-        size = self._q.qsize()
-        if size > stats.queue_peak:
-            stats.queue_peak = size
+        if len(q) > stats.queue_peak:
+            stats.queue_peak = len(q)
 
     def close(self, end_event: ev.EndEvent | None, timeout_s: float) -> None:
         """Send `end_event` last, flush, and stop the shipper within about `timeout_s`."""
@@ -127,10 +128,7 @@ class Transport:
         if self._client is not None:
             self._client.deadline = self._deadline
         if end_event is not None:
-            try:
-                self._q.put(end_event, timeout=timeout_s)
-            except queue.Full:
-                self._health.drop(1, "the agent's queue is full at close")
+            self._q.append(end_event)  # past the bound if need be: it reports the drops
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s + self._http_timeout + 1.0)
@@ -144,12 +142,8 @@ class Transport:
                 self.spool.run_dir,
             )
             lines = []
-            while True:
-                try:
-                    item = self._q.get_nowait()
-                except queue.Empty:
-                    break
-                line = self._encode(item)
+            while self._q:
+                line = self._encode(self._q.popleft())
                 if line is not None:
                     lines.append(line)
             self.stats.spooled += self.spool.append(lines, final=True)
@@ -184,56 +178,38 @@ class Transport:
             self.spool.close()
 
     def _loop(self) -> None:
-        pending: list[bytes] = []
-        last_flush = time.monotonic()
         while True:
             stopping = self._stop.is_set()
-            wait = (
-                0.0
-                if stopping
-                else max(0.0, self._flush_interval - (time.monotonic() - last_flush))
-            )
-            try:
-                item = self._q.get(timeout=wait) if wait > 0 else self._q.get_nowait()
-            except queue.Empty:
-                item = None
-            while item is not None:
+            if not stopping:
+                stopping = self._stop.wait(self._flush_interval)  # close() wakes it early
+            self._drain_queue()
+            if self._offline and self.spool.pending:
+                self._replay()
+            if stopping and not self._q:
+                self._drain_spool()
+                return
+
+    def _drain_queue(self) -> None:
+        """Ship everything queued, in batches of at most `batch_max_events`."""
+        q = self._q
+        while q:
+            lines: list[bytes] = []
+            while q and len(lines) < self._batch_max:
+                item = q.popleft()
                 if isinstance(item, ev.EndEvent):
                     # Everything before it is shipped or spooled first, so its counts are final.
-                    self._ship(pending)
-                    pending = []
+                    self._ship(lines)
+                    lines = []
                     item.dropped_events = self._health.dropped
                     item.agent_errors = self._health.errors
                     line = self._encode(item)
                     if line is not None:
                         self._ship([line], final=True)
-                    item = None
                     continue
                 line = self._encode(item)
                 if line is not None:
-                    pending.append(line)
-                if len(pending) >= self._batch_max:
-                    break
-                try:
-                    item = self._q.get_nowait()
-                except queue.Empty:
-                    item = None
-            now = time.monotonic()
-            if pending and (
-                len(pending) >= self._batch_max
-                or now - last_flush >= self._flush_interval
-                or stopping
-            ):
-                self._ship(pending)
-                pending = []
-                last_flush = now
-            elif not pending:
-                last_flush = now
-                if self._offline and self.spool.pending:
-                    self._replay()
-            if stopping and self._q.empty() and not pending:
-                self._drain_spool()
-                return
+                    lines.append(line)
+            self._ship(lines)
 
     def _encode(self, event: Any) -> bytes | None:
         try:
