@@ -237,7 +237,7 @@ def fsdp2_worker(rank: int, world: int, port: int, out_dir: str, server: str | N
         run = None
         if instrument:
             run = zerowatch.instrument(model, optimizer=opt, server=server, run=f"fsdp2-{name}",
-                                       spool_dir=Path(out_dir) / "spool", spans_every=0,
+                                       spool_dir=Path(out_dir) / "spool", spans_every=1,
                                        flush_interval_s=0.1)  # fmt: skip
         counter.install()
         per_step = []
@@ -346,6 +346,18 @@ def server_series(api: str, run_id: str, metric: str, n_steps: int) -> dict[int,
     return out
 
 
+def server_collective_purposes(api: str, run_id: str) -> set[tuple[str, str]]:
+    """(op, purpose) of every collective slice in the run's trace export (sampled steps)."""
+    import httpx
+
+    r = httpx.get(f"{api}/runs/{run_id}/trace", timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    slices = body["traceEvents"] if isinstance(body, dict) else body
+    return {(e["args"]["op"], e["args"]["purpose"]) for e in slices
+            if e.get("cat") == "collective"}  # fmt: skip
+
+
 def server_run(api: str, run_id: str) -> dict[str, Any]:
     """GET /runs/{id}."""
     import httpx
@@ -376,6 +388,7 @@ __all__ = [
     "fsdp2_worker",
     "mlp",
     "run_job",
+    "server_collective_purposes",
     "server_run",
     "server_series",
     "wrapping_worker",

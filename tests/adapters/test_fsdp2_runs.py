@@ -1,0 +1,109 @@
+"""An FSDP2 model (`fully_shard` on each Linear and the root) with AdamW on two gloo ranks,
+instrumented by `zerowatch.instrument(model, optimizer=opt)`, against a live server."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.foreign_jobs import (
+    fsdp2_worker,
+    run_job,
+    server_collective_purposes,
+    server_run,
+    server_series,
+)
+from support.live_server import LiveServer
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+PSI = 4 * (256 * 256 + 256)
+
+
+@pytest.fixture(scope="module")
+def job(server: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    out = tmp_path_factory.mktemp("fsdp2")
+    results = run_job(fsdp2_worker, Path(out), server=server.url, configs=["full"], steps=STEPS)
+    yield [r["full"] for r in results]
+
+
+def _run_id(job: Any) -> str:
+    ids = {rank["run_id"] for rank in job}
+    assert len(ids) == 1, f"ranks disagree on the run id: {ids}"
+    return ids.pop()
+
+
+def test_every_step_of_every_rank_reaches_the_server(job: Any, server: LiveServer) -> None:
+    run = server_run(server.api, _run_id(job))
+    ranks = sorted(run["ranks"], key=lambda r: r["rank"])
+    assert [(r["rank"], r["steps"], r["last_step"]) for r in ranks] == [
+        (0, STEPS, STEPS - 1),
+        (1, STEPS, STEPS - 1),
+    ], server.log_tail()
+    assert all(r["end_status"] == "finished" and r["agent_errors"] == 0 for r in ranks)
+
+
+def test_run_records_fsdp2_mesh_and_mixed_precision_policy(job: Any, server: LiveServer) -> None:
+    run = server_run(server.api, _run_id(job))
+    assert run["engine"] == "fsdp2" and run["zero_stage"] == 3 and run["precision"] == "fp32"
+    assert run["engine_info"]["mesh"] == {
+        "device_type": "cpu", "shape": [2], "dim_names": [], "ranks": [0, 1],
+    }  # fmt: skip
+    assert run["engine_info"]["mp_policy"]["param_dtype"] == "None"
+    assert run["config"]["fsdp2"]["optimizer"]["type"] == "AdamW"
+    assert run["param_count"] == PSI and run["world_size"] == 2
+
+
+def test_reported_collective_bytes_equal_what_fsdp2_sent(job: Any, server: LiveServer) -> None:
+    run_id = _run_id(job)
+    for op in OPS:
+        stored = server_series(server.api, run_id, f"collective.{op}.bytes", STEPS)
+        for rank in (0, 1):
+            counted = [step["bytes"].get(op, 0) for step in job[rank]["steps"]]
+            reported = [int(v) for v in stored.get(rank, [0.0] * STEPS)]
+            assert reported == counted, f"rank {rank} {op}"
+    # Full sharding: parameters gathered in forward and again in backward, gradients
+    # reduce-scattered once: 2 x and 1 x the fp32 model per step.
+    assert job[0]["steps"][-1]["bytes"] == {"all_gather": 2 * 4 * PSI, "reduce_scatter": 4 * PSI}
+
+
+def test_phases_partition_the_step(job: Any, server: LiveServer) -> None:
+    """Forward, backward and optimizer_step ran every step, inside the step's time."""
+    run_id = _run_id(job)
+    step_time = server_series(server.api, run_id, "step_time_s", STEPS)
+    phases = {p: server_series(server.api, run_id, f"phase.{p}", STEPS)
+              for p in ("forward", "backward", "optimizer_step")}  # fmt: skip
+    for rank in (0, 1):
+        for i in range(STEPS):
+            parts = [phases[p][rank][i] for p in phases]
+            assert all(v > 0 for v in parts), (rank, i, parts)
+            assert sum(parts) <= step_time[rank][i] * 1.001
+
+
+def test_all_gathers_are_parameter_fetches_and_reduce_scatters_gradient_reduction(
+    job: Any, server: LiveServer
+) -> None:
+    run_id = _run_id(job)
+    counts = server_series(server.api, run_id, "collective.all_gather.count", STEPS)
+    assert counts[0] == counts[1] == [8.0] * STEPS  # 4 layers, in forward and in backward
+    purposes = server_collective_purposes(server.api, run_id)
+    assert purposes == {("all_gather", "param_fetch"), ("reduce_scatter", "grad_reduce")}
+
+
+def test_model_state_is_the_local_shards_and_optimizer_state(job: Any, server: LiveServer) -> None:
+    run_id = _run_id(job)
+    shard = 4 * math.ceil(PSI / 2)
+    for kind, expected in (("params", shard), ("grads", shard), ("optimizer_states", 2 * shard)):
+        stored = server_series(server.api, run_id, f"memory.state.{kind}", STEPS)
+        theory = server_series(server.api, run_id, f"memory.theory.{kind}", STEPS)
+        for rank in (0, 1):
+            assert stored[rank][-1] == expected == theory[rank][-1], (kind, rank)
+
+
+def test_closing_the_run_removes_every_hook_and_wrapper(job: Any) -> None:
+    assert job[0]["restored"] and job[1]["restored"]
