@@ -1,0 +1,229 @@
+"""What the agent costs a DeepSpeed or FSDP2 training step: the same 2-rank gloo training
+with and without `zerowatch.instrument`, interleaved in one run.
+
+    DS_ACCELERATOR=cpu python bench/agent_overhead_foreign.py           # DeepSpeed ZeRO-1..3, FSDP2
+    python bench/agent_overhead_foreign.py --engines fsdp2              # no DeepSpeed needed
+    python bench/agent_overhead_foreign.py --no-server                  # spool to disk instead
+
+The companion of bench/agent_overhead.py (the bundled engine), with the same method: every
+rank builds the engine (DeepSpeed from `deepspeed.initialize`, or a small GPT with
+`fully_shard` on each block and the root plus AdamW) and one instrumented run shipping to
+a real `zerowatch serve` on 127.0.0.1. Then, `--repeats` times, it trains `--steps` steps
+with the adapter detached and `--steps` with it attached (the order alternates between
+repeats), timing every step, and prints the median step time of each and their ratio (the
+goal: at most 1.01).
+
+Detaching a foreign-engine adapter removes everything it put in place (its module and
+optimizer hooks, the wrapped `engine.backward` / `engine.step`, and the torch.distributed
+wrappers), so the "plain" steps run exactly the engine's own code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from agent_overhead import free_port, start_server
+
+WORLD = 2
+
+
+def _gpt(args: argparse.Namespace) -> tuple[Any, Any]:
+    from zerowatch.examples.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=512, seq_len=args.seq, d_model=args.d_model,
+                    n_layers=args.layers, n_heads=4)  # fmt: skip
+    torch.manual_seed(0)
+    return GPT(cfg), cfg
+
+
+def _time_blocks(
+    args: argparse.Namespace, one_step: Any, attach: Any, detach: Any
+) -> dict[str, float]:
+    """Median step time with the adapter detached and attached, interleaved."""
+
+    def steps(n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            one_step()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    detach()
+    steps(3)  # warm-up
+    plain: list[float] = []
+    agent: list[float] = []
+    for r in range(args.repeats):
+        for with_agent in (False, True) if r % 2 == 0 else (True, False):
+            if with_agent:
+                attach()
+                agent += steps(args.steps)
+                detach()
+            else:
+                plain += steps(args.steps)
+    attach()
+    return {"plain": statistics.median(plain), "agent": statistics.median(agent)}
+
+
+def _deepspeed_job(model: Any, variant: str, args: argparse.Namespace, server: str | None,
+                   spool: str) -> tuple[Any, Any]:  # fmt: skip
+    """A DeepSpeed engine over `model`: (its run, one training step)."""
+    import deepspeed
+
+    import zerowatch
+
+    config = {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": int(variant[-1]), "overlap_comm": True},
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(model=model, config=config,
+                                      model_parameters=model.parameters())  # fmt: skip
+    run = zerowatch.instrument(engine, server=server, project="bench",
+                               run=f"overhead-ds-{variant}", spool_dir=spool)  # fmt: skip
+
+    def step(x: Any, y: Any) -> Any:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return run, step
+
+
+def _fsdp2_job(model: Any, server: str | None, spool: str) -> tuple[Any, Any]:
+    """`fully_shard` on each block and the root, AdamW: (its run, one training step)."""
+    from torch.distributed.fsdp import fully_shard
+
+    import zerowatch
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run = zerowatch.instrument(model, optimizer=opt, server=server, project="bench",
+                               run="overhead-fsdp2", spool_dir=spool)  # fmt: skip
+
+    def step(x: Any, y: Any) -> Any:
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return run, step
+
+
+def measure_rank(rank: int, args: argparse.Namespace, port: int, server: str | None,
+                 spool: str, out: str) -> None:  # fmt: skip
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))  # fmt: skip
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
+    from zerowatch.examples.gpt import random_batch
+
+    results: dict[str, dict[str, float]] = {}
+    for engine_name in args.engines:
+        variants = [f"zero{s}" for s in args.stages] if engine_name == "deepspeed" else ["full"]
+        for variant in variants:
+            model, cfg = _gpt(args)
+            x, y = random_batch(cfg, args.micro_batch, seed=rank)
+            if engine_name == "deepspeed":
+                run, train_step = _deepspeed_job(model, variant, args, server, spool)
+            else:
+                run, train_step = _fsdp2_job(model, server, spool)
+            adapter, recorder = run._adapter, run._recorder
+
+            def one_step(run: Any = run, train_step: Any = train_step, x: Any = x,
+                         y: Any = y) -> None:  # fmt: skip
+                loss = train_step(x, y)
+                if run._adapter.board.observers:
+                    run.log(loss=loss.item(), tokens=x.numel())
+                else:
+                    loss.item()
+
+            timing = _time_blocks(args, one_step, lambda a=adapter, r=recorder: a.attach(r),
+                                  lambda a=adapter, r=recorder: a.detach(r))  # fmt: skip
+            run.close()
+            results[f"{engine_name} {variant}"] = {**timing, **run.stats}
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engines", default="deepspeed,fsdp2")
+    p.add_argument("--stages", default="1,2,3", help="DeepSpeed ZeRO stages")
+    p.add_argument("--repeats", type=int, default=6)
+    p.add_argument("--steps", type=int, default=5, help="steps per block")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--no-server", action="store_true", help="spool to disk, no server")
+    args = p.parse_args()
+    args.engines = [e for e in args.engines.split(",") if e]
+    args.stages = [int(s) for s in args.stages.split(",")]
+    if "deepspeed" in args.engines:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+    with tempfile.TemporaryDirectory(prefix="zerowatch-bench-") as tmp:
+        work = Path(tmp)
+        server_proc, server = (None, None) if args.no_server else start_server(work)
+        try:
+            port = free_port()
+            ctx = mp.get_context("spawn")
+            procs = [ctx.Process(target=measure_rank,
+                                 args=(r, args, port, server, str(work / "spool"), tmp))
+                     for r in range(WORLD)]  # fmt: skip
+            t0 = time.perf_counter()
+            for proc in procs:
+                proc.start()
+            for proc in procs:
+                proc.join()
+            wall = time.perf_counter() - t0
+            if any(proc.exitcode != 0 for proc in procs):
+                raise SystemExit(f"a rank failed: exit codes {[proc.exitcode for proc in procs]}")
+            ranks = [torch.load(work / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+        finally:
+            if server_proc is not None:
+                server_proc.terminate()
+                server_proc.wait(10)
+
+    print(f"agent overhead on foreign engines: {WORLD} gloo ranks, GPT d_model={args.d_model} "
+          f"layers={args.layers} seq={args.seq} micro-batch={args.micro_batch}, "
+          f"{args.repeats} repeats x {args.steps} steps per variant, "
+          f"{'no server (spool)' if args.no_server else 'server on 127.0.0.1'}, {wall:.0f} s")  # fmt: skip
+    print(
+        f"{'engine':<15}  {'plain ms':>9}  {'agent ms':>9}  {'ratio':>6}  {'sent':>5}  {'dropped':>7}"
+    )
+    for name in ranks[0]:
+        per_rank = [r[name] for r in ranks]
+        plain = statistics.median(r["plain"] for r in per_rank)
+        agent = statistics.median(r["agent"] for r in per_rank)
+        sent = sum(int(r.get("sent", 0)) for r in per_rank)
+        dropped = sum(int(r.get("dropped_events", 0)) for r in per_rank)
+        print(f"{name:<15}  {plain * 1e3:>9.2f}  {agent * 1e3:>9.2f}  {agent / plain:>6.3f}  "
+              f"{sent:>5}  {dropped:>7}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
