@@ -175,3 +175,30 @@ def test_torn_last_line_is_skipped_on_upload(fake_engine, fake_server, spool_roo
     good = fake_server("ok")
     assert upload_spool(spool_root, good.url).ok
     assert len(good.steps()) == 3
+
+
+def test_server_and_token_default_to_the_environment(
+    fake_engine, fake_server, spool_root, monkeypatch
+):
+    server = fake_server("ok")
+    monkeypatch.setenv("ZEROWATCH_SERVER", server.url)
+    monkeypatch.setenv("ZEROWATCH_TOKEN", "from-env")
+    with zerowatch.instrument(fake_engine, spool_dir=spool_root, **FAST) as run:
+        step_times(fake_engine, run, 2)
+    assert run.server == server.url and len(server.steps()) == 2
+    assert all(h["Authorization"] == "Bearer from-env" for h in server.headers)
+
+
+def test_zerowatch_upload_command_sends_a_spool(fake_engine, fake_server, spool_root):
+    from typer.testing import CliRunner
+
+    from zerowatch.cli import app
+
+    with zerowatch.instrument(fake_engine, spool_dir=spool_root, **FAST) as run:
+        step_times(fake_engine, run, 3)
+    good = fake_server("ok")
+    result = CliRunner().invoke(app, ["upload", str(spool_root / run.id), "--server", good.url])
+    assert result.exit_code == 0, result.output
+    assert "4 stored" in result.output and len(good.steps()) == 3
+    down = CliRunner().invoke(app, ["upload", str(spool_root), "--server", closed_port_url()])
+    assert down.exit_code == 1 and "error" in down.output

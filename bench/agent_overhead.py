@@ -1,0 +1,221 @@
+"""What the in-process agent costs a training step: the same 2-rank gloo training with and
+without `zerowatch.instrument`, interleaved in one run, per ZeRO stage.
+
+    python bench/agent_overhead.py                  # stages 0-3, a server on a free port
+    python bench/agent_overhead.py --no-server      # the agent spools to disk instead
+
+For each stage every rank builds one engine (a small GPT) and one instrumented run shipping
+to a real `zerowatch serve` on 127.0.0.1. Then, `--repeats` times, it trains `--steps`
+steps with the agent detached from the engine and `--steps` with it attached (the order
+alternates between repeats, so drift hits both alike), timing every step. It prints, per
+stage, the median step time of each and their ratio (the goal: at most 1.01 at stage 3),
+and what the agent holds in memory: the events in its bounded queue (peak and bound) and
+the size of one event.
+
+Attaching and detaching one run keeps start-up (the run-id broadcast, the shipper thread)
+out of the figures; the shipper keeps working between blocks, so shipping a block's events
+can spill into the next block: a small bias toward 1 (shipping one event costs ~0.1 ms of
+the shipper thread, next to step times of tens of milliseconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`zerowatch serve` on a free port with a throwaway SQLite file."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROWATCH_")}
+    log = open(workdir / "server.log", "wb")  # noqa: SIM115 - the child owns it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zerowatch.cli", "serve", "--port", str(port),
+         "--db", f"sqlite:///{workdir / 'bench.db'}"],
+        cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {(workdir / 'server.log').read_text()[-2000:]}")
+        try:
+            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+def ds_config(stage: int, micro_batch: int) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage, "overlap_comm": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
+
+
+def measure_stage(rank: int, stage: int, args: argparse.Namespace, server: str | None,
+                  spool: str) -> dict[str, Any]:  # fmt: skip
+    """One stage on this rank: interleaved blocks with and without the agent."""
+    import zerowatch
+    from zerowatch.examples.gpt import GPT, GPTConfig, random_batch
+
+    cfg = GPTConfig(vocab_size=512, seq_len=args.seq, d_model=args.d_model,
+                    n_layers=args.layers, n_heads=4)  # fmt: skip
+    torch.manual_seed(0)
+    engine, *_ = zerowatch.initialize(model=GPT(cfg), config=ds_config(stage, args.micro_batch))
+    run = zerowatch.instrument(engine, server=server, run=f"overhead-stage{stage}",
+                               project="bench", spool_dir=spool)  # fmt: skip
+    recorder = run._recorder
+    first_event: list[Any] = []
+    submit = run._transport.submit
+
+    def keep(event: Any) -> None:
+        if not first_event:
+            first_event.append(event)
+        submit(event)
+
+    recorder._emit = keep
+    engine.remove_observer(recorder)
+    x, y = random_batch(cfg, args.micro_batch, seed=rank)
+
+    def steps(n: int, with_agent: bool) -> list[float]:
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            if with_agent:
+                run.log(loss=loss.item(), tokens=x.numel())
+            else:
+                loss.item()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    steps(3, False)  # warm-up
+    plain: list[float] = []
+    agent: list[float] = []
+    for r in range(args.repeats):
+        for with_agent in (False, True) if r % 2 == 0 else (True, False):
+            if with_agent:
+                engine.add_observer(recorder)
+                agent += steps(args.steps, True)
+                engine.remove_observer(recorder)
+            else:
+                plain += steps(args.steps, False)
+    engine.add_observer(recorder)
+    run.close()
+    event_bytes = 0
+    if first_event:  # in-memory size of one StepEvent, as the queue holds it
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        copies = [copy.deepcopy(first_event[0]) for _ in range(200)]
+        event_bytes = (tracemalloc.get_traced_memory()[0] - before) // len(copies)
+        tracemalloc.stop()
+    return {
+        "plain": statistics.median(plain),
+        "agent": statistics.median(agent),
+        "stats": run.stats,
+        "event_bytes": event_bytes,
+        "queue_size": run.config.queue_size,
+    }
+
+
+def measure_rank(rank: int, args: argparse.Namespace, port: int, server: str | None,
+                 spool: str, out: str) -> None:  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD, timeout=timedelta(seconds=300))  # fmt: skip
+    results = {stage: measure_stage(rank, stage, args, server, spool) for stage in args.stages}
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--stages", default="0,1,2,3")
+    p.add_argument("--repeats", type=int, default=6)
+    p.add_argument("--steps", type=int, default=5, help="steps per block")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--no-server", action="store_true", help="spool to disk, no server")
+    args = p.parse_args()
+    args.stages = [int(s) for s in args.stages.split(",")]
+
+    with tempfile.TemporaryDirectory(prefix="zerowatch-bench-") as tmp:
+        work = Path(tmp)
+        server_proc, server = (None, None) if args.no_server else start_server(work)
+        try:
+            port = free_port()
+            ctx = mp.get_context("spawn")
+            procs = [ctx.Process(target=measure_rank,
+                                 args=(r, args, port, server, str(work / "spool"), tmp))
+                     for r in range(WORLD)]  # fmt: skip
+            t0 = time.perf_counter()
+            for proc in procs:
+                proc.start()
+            for proc in procs:
+                proc.join()
+            wall = time.perf_counter() - t0
+            if any(proc.exitcode != 0 for proc in procs):
+                raise SystemExit(f"a rank failed: exit codes {[proc.exitcode for proc in procs]}")
+            ranks = [torch.load(work / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+        finally:
+            if server_proc is not None:
+                server_proc.terminate()
+                server_proc.wait(10)
+
+    print(f"agent overhead: {WORLD} gloo ranks, GPT d_model={args.d_model} layers={args.layers} "
+          f"seq={args.seq} micro-batch={args.micro_batch}, {args.repeats} repeats x "
+          f"{args.steps} steps per variant, {'no server (spool)' if args.no_server else 'server on 127.0.0.1'}, "
+          f"{wall:.0f} s")  # fmt: skip
+    print(f"{'stage':>5}  {'plain ms':>9}  {'agent ms':>9}  {'ratio':>6}  {'event KiB':>9}  "
+          f"{'queue peak':>10}  {'queue bound MiB':>15}  {'sent':>5}  {'dropped':>7}")  # fmt: skip
+    for stage in args.stages:
+        per_rank = [r[stage] for r in ranks]
+        plain = statistics.median(r["plain"] for r in per_rank)
+        agent = statistics.median(r["agent"] for r in per_rank)
+        event = max(r["event_bytes"] for r in per_rank)
+        peak = max(r["stats"]["queue_peak"] for r in per_rank)
+        bound = per_rank[0]["queue_size"] * event / 2**20
+        sent = sum(r["stats"]["sent"] for r in per_rank)
+        dropped = sum(r["stats"]["dropped_events"] for r in per_rank)
+        print(f"{stage:>5}  {plain * 1e3:>9.2f}  {agent * 1e3:>9.2f}  {agent / plain:>6.3f}  "
+              f"{event / 1024:>9.1f}  {peak:>10}  {bound:>15.1f}  {sent:>5}  {dropped:>7}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
