@@ -31,7 +31,8 @@ def step_breakdown(
 
     Phases may overlap (the gradient reduce runs inside the backward under overlap_comm), so
     the stack can rise above the step-time line; where it stays below, the gap is shown as
-    "other" so the stack always reaches the step time.
+    "other" so the stack always reaches the step time. Phases outside events.PHASES are drawn
+    as dashed lines beside the stack, since they may nest inside one of it.
 
     Args:
         step_time: seconds per step (the whole step).
@@ -39,9 +40,8 @@ def step_breakdown(
         exposed_comm: seconds of communication compute did not hide, per step.
     """
     fig = th.figure("Step time by phase", height=380)
-    order = [p for p in PHASES if p in phases] + sorted(p for p in phases if p not in PHASES)
     by_step: dict[int, float] = {}
-    for name in order:
+    for name in [p for p in PHASES if p in phases]:
         series = phases[name]
         if not series:
             continue
@@ -75,6 +75,13 @@ def step_breakdown(
                     hovertemplate="%{y:.3~f} ms",
                 )
             )
+    for name in sorted(p for p in phases if p not in PHASES and phases[p]):
+        # A phase outside the vocabulary may nest inside a known one: a line, not the stack.
+        fig.add_trace(
+            go.Scatter(x=list(phases[name].steps), y=th.scaled(phases[name].values, 1e-3),
+                       name=th.phase_label(name), mode="lines",
+                       line={"width": 1.5, "dash": "dash"}, hovertemplate="%{y:.3~f} ms")
+        )  # fmt: skip
     if step_time:
         fig.add_trace(
             go.Scatter(
@@ -212,33 +219,32 @@ def memory(
                     legend=th.LEGEND_BELOW, margin={"l": 64, "r": 24, "t": 56, "b": 110})  # fmt: skip
     ranks = sorted(set(peaks) | set(model_state))
     x = [f"rank {r}" for r in ranks]
+    device_state = [
+        sum(v for k, v in model_state.get(r, {}).items() if not k.startswith("host_"))
+        for r in ranks
+    ]
+    theory_device = sum(v for k, v in theory.items() if not k.startswith("host_"))
+    values = [v for p in peaks.values() for v in p.values() if v] + device_state + [theory_device]
+    top = max(values, default=0.0)
+    low = min((v for v in values if v > 0), default=0.0)
+    # Units that fit the numbers, and a log axis where a process's peak dwarfs its model
+    # states (a CPU run's RSS holds the whole interpreter): both stay readable.
+    unit, scale = ("GiB", th.GIB) if top >= th.GIB else ("MiB", 2**20)
+    log = low > 0 and top / low > 20
+    hover = f"%{{y:.4~f}} {unit}"
     phases = [p for p in PHASES if any(p in peaks.get(r, {}) for r in ranks)]
     phases += sorted({p for r in ranks for p in peaks.get(r, {})} - set(phases))
     for phase in phases:
         fig.add_trace(
-            go.Bar(
-                x=x,
-                y=th.scaled([peaks.get(r, {}).get(phase) for r in ranks], th.GIB),
-                name=f"peak in {th.phase_label(phase)}",
-                marker={"color": th.PHASE_COLORS.get(phase)},
-                hovertemplate="%{y:.4~f} GiB",
-            )
-        )
+            go.Bar(x=x, y=th.scaled([peaks.get(r, {}).get(phase) for r in ranks], scale),
+                   name=f"peak in {th.phase_label(phase)}",
+                   marker={"color": th.PHASE_COLORS.get(phase)}, hovertemplate=hover)
+        )  # fmt: skip
     if model_state:
-        device_state = [
-            sum(v for k, v in model_state.get(r, {}).items() if not k.startswith("host_"))
-            for r in ranks
-        ]
         fig.add_trace(
-            go.Bar(
-                x=x,
-                y=th.scaled(device_state, th.GIB),
-                name="model states (measured)",
-                marker={"color": "#636e72", "pattern": {"shape": "/"}},
-                hovertemplate="%{y:.4~f} GiB",
-            )
-        )
-    theory_device = sum(v for k, v in theory.items() if not k.startswith("host_"))
+            go.Bar(x=x, y=th.scaled(device_state, scale), name="model states (measured)",
+                   marker={"color": "#636e72", "pattern": {"shape": "/"}}, hovertemplate=hover)
+        )  # fmt: skip
     if theory_device and x:
         detail = "<br>".join(
             f"{th.kind_label(k)}: {th.fmt_bytes(v)}"
@@ -246,41 +252,29 @@ def memory(
             if v and not k.startswith("host_")
         )
         fig.add_trace(
-            go.Scatter(
-                x=x,
-                y=[theory_device / th.GIB] * len(x),
-                name=f"ZeRO-{stage} theory: model states",
-                mode="lines+markers",
-                line={"color": th.THEORY_COLOR, "dash": "dash"},
-                marker={"symbol": "diamond", "size": 9},
-                hovertemplate=f"%{{y:.4~f}} GiB<br>{detail}<extra>theory</extra>",
-            )
-        )
-    top = max(
-        [v for p in peaks.values() for v in p.values() if v]
-        + [
-            sum(v for k, v in ms.items() if not k.startswith("host_"))
-            for ms in model_state.values()
-        ]
-        + [theory_device],
-        default=0.0,
-    )
+            go.Scatter(x=x, y=[theory_device / scale] * len(x),
+                       name=f"ZeRO-{stage} theory: model states", mode="lines+markers",
+                       line={"color": th.THEORY_COLOR, "dash": "dash"},
+                       marker={"symbol": "diamond", "size": 9},
+                       hovertemplate=f"{hover}<br>{detail}<extra>theory</extra>")
+        )  # fmt: skip
     if capacity_bytes and top < 0.1 * capacity_bytes:
         # A line at 80 GiB would flatten bars of a few hundred MiB: name the capacity instead.
         fig.update_layout(title_text=f"{fig.layout.title.text} (device capacity "
                                      f"{th.fmt_bytes(capacity_bytes)}, off the scale)")  # fmt: skip
     elif capacity_bytes:
         fig.add_hline(
-            y=capacity_bytes / th.GIB,
+            y=capacity_bytes / scale,
             line={"color": th.CAPACITY_COLOR, "dash": "dot"},
             annotation_text=f"device capacity {th.fmt_bytes(capacity_bytes)}",
             annotation_position="top left",
         )
     fig.update_layout(
         barmode="group",
-        yaxis={"title": {"text": "memory (GiB)"}},
+        yaxis={"title": {"text": f"memory ({unit}{', log scale' if log else ''})"},
+               "type": "log" if log else "linear"},
         xaxis={"title": {"text": "rank"}},
-    )
+    )  # fmt: skip
     return fig
 
 

@@ -1,6 +1,7 @@
 """Fixtures of the dashboards' browser tests: a real headless Chromium (Debian's, driven by
-Playwright, never downloaded), a live zerowatch server holding runs of ZeRO stages 1, 2 and
-3 plus a run whose name is markup, and the folder screenshots go to.
+Playwright, never downloaded), a live zerowatch server holding real instrumented runs of ZeRO
+stages 1, 2 and 3 (torchrun, gloo, the bundled engine) plus a run whose name is markup, and
+the folder screenshots go to.
 
 Screenshots: $ZEROWATCH_ARTIFACTS/screenshots (default: artifacts/screenshots in the
 repository); the path is printed at the end of the test session.
@@ -95,22 +96,19 @@ def probe(browser) -> Iterator[PageProbe]:  # type: ignore[no-untyped-def]
     context.close()
 
 
-def seed_runs(server_url: str) -> tuple[dict[int, str], str]:
-    """Runs of stages 1, 2 (CPU offload) and 3 (fp16, a straggler) of one model, plus a run
-    whose name, project, tags and config are markup."""
-    from support.dashboard_runs import post_simulated_run
+#: The real runs: the same tiny GPT in fp16 (dynamic loss scaling) at stage 1, stage 2 with
+#: the optimizer offloaded to the CPU, and stage 3; 2 gloo ranks each.
+FP16 = ("--precision", "fp16")
+REAL_RUNS = ((1, FP16), (2, (*FP16, "--offload", "cpu")), (3, FP16))
+REAL_STEPS = 16
 
-    stages = {}
-    for stage in (1, 2, 3):
-        spec = sim.SimSpec(
-            name=f"gpt-125m stage {stage}", project="zero-stages", tags=(f"stage{stage}", "demo"),
-            world_size=4, stage=stage, offload_optimizer=stage == 2,
-            precision="fp16" if stage == 3 else "bf16", straggler_rank=2 if stage == 3 else None,
-            step_time_s=0.4 + 0.05 * stage, seed=stage, spans_every=5,
-        )  # fmt: skip
-        stages[stage] = post_simulated_run(
-            server_url, spec, 40, end="finished" if stage != 3 else None
-        )
+
+def seed_runs(server_url: str) -> tuple[dict[int, str], str]:
+    """Real instrumented runs of stages 1, 2 and 3 of one model, plus a run whose name,
+    project, tags and config are markup (posted through the ingest API)."""
+    from support.dashboard_runs import launch_real_runs, post_simulated_run
+
+    stages = launch_real_runs(server_url, REAL_RUNS, steps=REAL_STEPS)
     xss_spec = sim.SimSpec(name=XSS_NAME, project="<b>markup</b>", tags=("<img src=x onerror=alert(2)>",),
                            world_size=2, stage=1, seed=9)  # fmt: skip
     xss = post_simulated_run(

@@ -1,6 +1,6 @@
-"""Every page in a real headless Chromium against a live server holding runs of ZeRO stages
-1, 2 and 3: no console errors, every chart drew its data, live runs update in place, and
-data that looks like markup stays text."""
+"""Every page in a real headless Chromium against a live server holding real instrumented
+runs of ZeRO stages 1, 2 and 3: no console errors, every chart drew its data, live runs
+update in place, and data that looks like markup stays text."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 from charts import assert_all_drawn, charts
-from conftest import XSS_NAME, screenshot
+from conftest import REAL_STEPS, XSS_NAME, screenshot
 
 from zerowatch import simulate as sim
 
@@ -24,13 +24,13 @@ def test_runs_page_lists_runs_with_badges_filters_and_compare_selected(seeded, p
     assert rows.count() == 4
     for stage, run_id in seeded.stages.items():
         row = page.locator(f'tr[data-run-id="{run_id}"]')
-        assert row.locator("td.name a").inner_text() == f"gpt-125m stage {stage}"
+        assert row.locator("td.name a").inner_text().startswith(f"tiny-gpt stage {stage}")
         assert row.locator("td").nth(4).inner_text() == f"ZeRO-{stage}"
-        assert row.locator("td").nth(8).inner_text() == "40"  # steps
-        assert re.fullmatch(r"\d+(\.\d+)? ms", row.locator("td").nth(10).inner_text())
-    badge = page.locator(f'tr[data-run-id="{seeded.stages[3]}"] .badge')
-    assert badge.inner_text() == "running"
-    assert page.locator(f'tr[data-run-id="{seeded.stages[1]}"] .badge').inner_text() == "finished"
+        assert row.locator("td").nth(8).inner_text() == str(REAL_STEPS)  # steps
+        assert re.fullmatch(r"[\d.]+ (µs|ms|s)", row.locator("td").nth(10).inner_text())
+        assert row.locator(".badge").inner_text() == "finished"
+    assert page.locator(f'tr[data-run-id="{seeded.xss}"] .badge').inner_text() == "running"
+    assert page.locator(f'tr[data-run-id="{seeded.stages[3]}"] td').nth(6).inner_text() == "fp16"
     assert page.locator(f'tr[data-run-id="{seeded.stages[2]}"]').get_by_text(
         "optimizer → cpu").count() == 1  # fmt: skip
     screenshot(page, "runs")
@@ -40,10 +40,12 @@ def test_runs_page_lists_runs_with_badges_filters_and_compare_selected(seeded, p
     page.click("form.filters button[type=submit]")
     page.wait_for_url(re.compile(r"project=zero-stages"))
     assert page.locator("#runs-table tbody tr").count() == 3
-    page.select_option("select[name=status]", "finished")
+    page.select_option("select[name=status]", "running")
     page.click("form.filters button[type=submit]")
-    page.wait_for_url(re.compile(r"status=finished"))
-    assert page.locator("#runs-table tbody tr").count() == 2
+    page.wait_for_url(re.compile(r"status=running"))
+    assert page.locator("#runs-table tbody tr").count() == 0
+    page.goto(seeded.url + "/?status=running")
+    assert page.locator("#runs-table tbody tr").count() == 1
     page.goto(seeded.url + "/?tag=stage3")
     assert page.locator("#runs-table tbody tr").count() == 1
 
@@ -66,12 +68,13 @@ def test_run_page_draws_every_chart_without_console_errors(seeded, probe, stage)
     page.goto(f"{seeded.url}/runs/{run_id}")
     expected = RUN_CHARTS | ({"offload"} if stage == 2 else set())
     got = assert_all_drawn(page, expected)
-    assert got["breakdown"]["maxX"] >= 39  # every stored step reached the chart
+    assert got["breakdown"]["maxX"] == REAL_STEPS - 1  # every stored step reached the chart
+    assert got["ranks"]["points"] == [2 * REAL_STEPS]  # 2 ranks x every step
     title = page.locator("#chart-ranks .gtitle").text_content() or ""
-    if stage == 3:
-        assert "straggler: rank 2" in title
-        assert page.locator("#stat-straggler").inner_text().startswith("rank 2")
-    assert page.locator("#run-name").inner_text() == f"gpt-125m stage {stage}"
+    assert "straggler" in title
+    # fp16: the loss-scale panel
+    assert "loss scale" in (page.locator("#chart-training").text_content() or "")
+    assert page.locator("#run-name").inner_text() == f"tiny-gpt stage {stage}"
     assert (
         page.locator("a", has_text="Trace export").get_attribute("href")
         == f"/api/v1/runs/{run_id}/trace"
@@ -95,17 +98,18 @@ def test_live_run_page_updates_in_place_when_steps_arrive(seeded, probe):
     from support.dashboard_runs import post_simulated_run
 
     page = probe.page
-    run_id = seeded.stages[3]
+    spec = sim.SimSpec(name="live run", project="zero-stages", world_size=4, stage=3,
+                       precision="fp16", straggler_rank=2, step_time_s=0.55, seed=3)  # fmt: skip
+    run_id = post_simulated_run(seeded.url, spec, 10)
     page.goto(f"{seeded.url}/runs/{run_id}")
     assert_all_drawn(page)
     before = charts(page)["breakdown"]["maxX"]
+    assert before == 9
     # Mark the document and a chart's element: a reload or a fresh div would lose them.
     page.evaluate(
         "() => { window.__zwKeep = 1; document.getElementById('chart-breakdown').__zwKeep = 1; }"
     )
-    spec = sim.SimSpec(name="gpt-125m stage 3", project="zero-stages", world_size=4, stage=3,
-                       precision="fp16", straggler_rank=2, step_time_s=0.55, seed=3)  # fmt: skip
-    post_simulated_run(seeded.url, spec, 5, start=int(before) + 1, run_id=run_id)
+    post_simulated_run(seeded.url, spec, 5, start=int(before) + 1, run_id=run_id, end="finished")
     page.wait_for_function(
         f"() => document.getElementById('stat-steps').textContent === '{int(before) + 6}'",
         timeout=20_000,
@@ -113,6 +117,10 @@ def test_live_run_page_updates_in_place_when_steps_arrive(seeded, probe):
     page.wait_for_function(
         "() => Math.max(...document.getElementById('chart-breakdown').data[0].x) >= "
         f"{int(before) + 5}",
+        timeout=10_000,
+    )
+    page.wait_for_function(
+        "() => document.querySelector('#run-status .badge').textContent === 'finished'",
         timeout=10_000,
     )
     kept = page.evaluate(

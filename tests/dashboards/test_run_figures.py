@@ -43,6 +43,25 @@ def test_step_breakdown_stacks_phases_in_ms_and_marks_exposed_comm():
     assert fig.layout.xaxis.title.text == "step"
 
 
+def test_step_breakdown_draws_unknown_phases_as_lines_beside_the_stack():
+    fig = run.step_breakdown(
+        s([0.5, 0.5]), {"forward": s([0.2, 0.2]), "backward_inner": s([0.1, 0.1])}
+    )
+    inner = next(t for t in fig.data if t.name == "backward_inner")
+    assert inner.stackgroup is None and inner.line.dash == "dash"
+    other = next(t for t in fig.data if t.name == "other (unattributed)")
+    assert list(other.y) == pytest.approx([300.0, 300.0])  # only known phases fill the stack
+
+
+def test_memory_uses_mib_and_a_log_axis_when_the_peak_dwarfs_the_model_states():
+    mib = 2**20
+    fig = run.memory({0: {"forward": 350 * mib}}, {0: {"params": 2 * mib}}, {"params": 2 * mib},
+                     stage=2)  # fmt: skip
+    assert fig.layout.yaxis.type == "log"
+    assert fig.layout.yaxis.title.text == "memory (MiB, log scale)"
+    assert list(fig.data[0].y) == pytest.approx([350.0])
+
+
 def test_step_breakdown_has_no_other_band_when_phases_cover_the_step():
     fig = run.step_breakdown(s([0.3, 0.3]), {"forward": s([0.1, 0.1]), "backward": s([0.25, 0.25])})
     assert "other (unattributed)" not in names(fig)

@@ -1,5 +1,10 @@
-"""Runs for the dashboards' tests: simulated runs posted to a live server's ingest API, and a
-big simulated run stored fast.
+"""Runs for the dashboards' tests: real instrumented training runs (the bundled engine under
+torchrun, 2 gloo ranks on CPU), simulated runs posted to a live server's ingest API, and a big
+simulated run stored fast.
+
+`launch_real_runs(server_url, [(stage, extra_args), ...])` trains the example GPT
+(`zerowatch.examples.train`) once per entry, all at once, each rank instrumented with
+`zerowatch.instrument`, and returns their run ids.
 
 `post_simulated_run(server_url, spec, steps)` creates a run and posts its events through
 `/api/v1` exactly as an agent would (JSON batches), optionally with each rank's end event.
@@ -16,6 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -26,6 +36,57 @@ from zerowatch.server.db import Database
 
 from zerowatch import events as ev
 from zerowatch import simulate as sim
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch_real_runs(
+    server_url: str,
+    runs: Sequence[tuple[int, Sequence[str]]],
+    *,
+    steps: int = 16,
+    world_size: int = 2,
+    project: str = "zero-stages",
+    timeout_s: float = 300.0,
+) -> dict[int, str]:
+    """Train the example model once per (stage, extra args), concurrently; stage -> run id.
+
+    Each run is `torchrun --nproc-per-node world_size -m zerowatch.examples.train` named
+    "tiny-gpt stage N", shipping to `server_url`. Raises with the run's output if one fails.
+    """
+    procs = {}
+    for stage, extra in runs:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
+            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+            "-m", "zerowatch.examples.train", "--stage", str(stage), "--steps", str(steps),
+            "--server", server_url, "--name", f"tiny-gpt stage {stage}", "--project", project,
+            "--tag", "real", *extra,
+        ]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="1", ZEROWATCH_PRINT_RUN="1")
+        procs[stage] = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+    ids: dict[int, str] = {}
+    failures = []
+    for stage, proc in procs.items():
+        try:
+            out = proc.communicate(timeout=timeout_s)[0].decode(errors="replace")
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out = proc.communicate()[0].decode(errors="replace")
+        found = [line.split()[1] for line in out.splitlines() if line.startswith("run ")]
+        if proc.returncode != 0 or not found:
+            failures.append(f"stage {stage} exited {proc.returncode}:\n{out[-3000:]}")
+        else:
+            ids[stage] = found[-1]
+    if failures:
+        raise RuntimeError("\n\n".join(failures))
+    return ids
 
 
 def post_simulated_run(
