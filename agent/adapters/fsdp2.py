@@ -19,13 +19,16 @@ Collectives come from `dist_wrap`: FSDP2 calls `all_gather_single` (parameter al
 forward and backward: param_fetch) and `reduce_scatter_single` (gradients: grad_reduce),
 and `all_reduce` for HSDP replicas and `clip_grad_norm_` (other).
 
-The run is recorded as ZeRO stage 3 (full sharding: parameters, gradients and optimizer
-state sharded), or as stage 2 with `reshard_after_forward=False` on the root (parameters
-kept whole between forward and backward, as ZeRO-2 does); the precision is the mixed
-precision policy's `param_dtype`. Model-state bytes are the local shards of the DTensor
+The run is recorded as ZeRO stage 3: between steps FSDP2 holds parameters, gradients and
+optimizer state sharded, whatever `reshard_after_forward` says (that only decides whether
+a module's parameters stay gathered from its forward to its backward, which changes the
+all-gather volume, not the state at rest); how many sharded modules keep their parameters
+gathered after forward is recorded beside the mesh. The precision is the mixed precision
+policy's `param_dtype`. Model-state bytes are the local shards of the DTensor
 parameters and their gradients, and the optimizer's state. FSDP2 keeps the sharded
-parameters in their original dtype (fp32), which serve as the master weights: with a bf16
-policy the measured `params` are the theory's `params + master_weights`.
+parameters in their original dtype (fp32), which serve as the master weights: under a bf16
+or fp16 policy they are reported as `master_weights`, and `params` at rest is 0 (the
+low-precision copy exists only while gathered) where the ZeRO model counts 2Ψ/N.
 """
 
 from __future__ import annotations
@@ -110,13 +113,20 @@ class FSDP2Adapter:
         dtype = getattr(policy, "param_dtype", None)
         return _DTYPE_PRECISION.get(str(dtype), "fp32") if dtype is not None else "fp32"
 
-    def _stage(self) -> int:
-        state = _fsdp_state(self.model)
-        groups = getattr(state, "_fsdp_param_groups", None) or []
-        for g in groups:
-            if getattr(g, "post_forward_mesh_info", True) is None:
-                return 2  # reshard_after_forward=False: whole parameters kept for backward
-        return 3
+    def _sharded_modules(self) -> dict[str, int]:
+        """FSDP modules, and how many keep their parameters gathered after forward (the
+        root does so on its own once FSDP has lazily initialised)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        modules = kept = 0
+        for module in self.model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            modules += 1
+            groups = getattr(_fsdp_state(module), "_fsdp_param_groups", None) or []
+            if any(getattr(g, "post_forward_mesh_info", True) is None for g in groups):
+                kept += 1
+        return {"modules": modules, "kept_gathered_after_forward": kept}
 
     def _optimizer_config(self) -> dict[str, Any]:
         """The optimizer's class and its scalar hyper-parameters per group."""
@@ -135,7 +145,7 @@ class FSDP2Adapter:
             dist.get_world_size() if dist.is_initialized() else 1)  # fmt: skip
         rank = dist.get_rank() if dist.is_initialized() else 0
         precision = self._precision()
-        stage = self._stage()
+        stage = 3
         n_params = sum(int(p.numel()) for p in self.model.parameters() if p.requires_grad)
         policy = self._mp_policy()
         policy_info = {
@@ -177,6 +187,7 @@ class FSDP2Adapter:
                 "class": type(self.model).__qualname__,
                 "mesh": mesh_info,
                 "mp_policy": policy_info,
+                "sharded_modules": self._sharded_modules(),
                 "optimizer": type(self.optimizer).__qualname__,
             },
         )
@@ -258,7 +269,9 @@ class FSDP2Adapter:
     def model_state_bytes(self) -> dict[str, int]:
         census = TensorCensus()
         params = [p for p in self.model.parameters()]
-        census.add("params", params)
+        # Under a low-precision policy the sharded parameters FSDP2 keeps at rest are the
+        # fp32 masters; the low-precision copy exists only while gathered.
+        census.add("params" if self._precision() == "fp32" else "master_weights", params)
         census.add("grads", [p.grad for p in params])
         census.add("optimizer_states", optimizer_state_tensors(self.optimizer))
         return census.result()

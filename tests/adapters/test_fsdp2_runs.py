@@ -1,5 +1,6 @@
 """An FSDP2 model (`fully_shard` on each Linear and the root) with AdamW on two gloo ranks,
-instrumented by `zerowatch.instrument(model, optimizer=opt)`, against a live server."""
+in fp32 and under a bf16 mixed-precision policy, instrumented by
+`zerowatch.instrument(model, optimizer=opt)`, against a live server."""
 
 from __future__ import annotations
 
@@ -23,23 +24,28 @@ pytestmark = pytest.mark.slow
 STEPS = 4
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 PSI = 4 * (256 * 256 + 256)
+CONFIGS = ["fp32", "bf16"]
+#: Bytes per parameter element gathered and reduce-scattered (the policy's param dtype).
+WIRE = {"fp32": 4, "bf16": 2}
 
 
 @pytest.fixture(scope="module")
 def job(server: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     out = tmp_path_factory.mktemp("fsdp2")
-    results = run_job(fsdp2_worker, Path(out), server=server.url, configs=["full"], steps=STEPS)
-    yield [r["full"] for r in results]
+    yield run_job(fsdp2_worker, Path(out), server=server.url, configs=CONFIGS, steps=STEPS)
 
 
-def _run_id(job: Any) -> str:
-    ids = {rank["run_id"] for rank in job}
+def _run_id(job: Any, config: str) -> str:
+    ids = {rank[config]["run_id"] for rank in job}
     assert len(ids) == 1, f"ranks disagree on the run id: {ids}"
     return ids.pop()
 
 
-def test_every_step_of_every_rank_reaches_the_server(job: Any, server: LiveServer) -> None:
-    run = server_run(server.api, _run_id(job))
+@pytest.mark.parametrize("config", CONFIGS)
+def test_every_step_of_every_rank_reaches_the_server(
+    job: Any, server: LiveServer, config: str
+) -> None:
+    run = server_run(server.api, _run_id(job, config))
     ranks = sorted(run["ranks"], key=lambda r: r["rank"])
     assert [(r["rank"], r["steps"], r["last_step"]) for r in ranks] == [
         (0, STEPS, STEPS - 1),
@@ -48,33 +54,48 @@ def test_every_step_of_every_rank_reaches_the_server(job: Any, server: LiveServe
     assert all(r["end_status"] == "finished" and r["agent_errors"] == 0 for r in ranks)
 
 
-def test_run_records_fsdp2_mesh_and_mixed_precision_policy(job: Any, server: LiveServer) -> None:
-    run = server_run(server.api, _run_id(job))
-    assert run["engine"] == "fsdp2" and run["zero_stage"] == 3 and run["precision"] == "fp32"
+@pytest.mark.parametrize("config", CONFIGS)
+def test_run_records_fsdp2_mesh_and_mixed_precision_policy(
+    job: Any, server: LiveServer, config: str
+) -> None:
+    run = server_run(server.api, _run_id(job, config))
+    assert run["engine"] == "fsdp2" and run["zero_stage"] == 3 and run["precision"] == config
     assert run["engine_info"]["mesh"] == {
         "device_type": "cpu", "shape": [2], "dim_names": [], "ranks": [0, 1],
     }  # fmt: skip
-    assert run["engine_info"]["mp_policy"]["param_dtype"] == "None"
+    dtype = {"fp32": "None", "bf16": "torch.bfloat16"}[config]
+    assert run["engine_info"]["mp_policy"]["param_dtype"] == dtype
+    # Four Linear layers and the root, all resharding after forward at instrument time.
+    assert run["engine_info"]["sharded_modules"] == {
+        "modules": 5, "kept_gathered_after_forward": 0,
+    }  # fmt: skip
     assert run["config"]["fsdp2"]["optimizer"]["type"] == "AdamW"
     assert run["param_count"] == PSI and run["world_size"] == 2
 
 
-def test_reported_collective_bytes_equal_what_fsdp2_sent(job: Any, server: LiveServer) -> None:
-    run_id = _run_id(job)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_reported_collective_bytes_equal_what_fsdp2_sent(
+    job: Any, server: LiveServer, config: str
+) -> None:
+    run_id = _run_id(job, config)
     for op in OPS:
         stored = server_series(server.api, run_id, f"collective.{op}.bytes", STEPS)
         for rank in (0, 1):
-            counted = [step["bytes"].get(op, 0) for step in job[rank]["steps"]]
+            counted = [step["bytes"].get(op, 0) for step in job[rank][config]["steps"]]
             reported = [int(v) for v in stored.get(rank, [0.0] * STEPS)]
             assert reported == counted, f"rank {rank} {op}"
     # Full sharding: parameters gathered in forward and again in backward, gradients
-    # reduce-scattered once: 2 x and 1 x the fp32 model per step.
-    assert job[0]["steps"][-1]["bytes"] == {"all_gather": 2 * 4 * PSI, "reduce_scatter": 4 * PSI}
+    # reduce-scattered once: 2 x and 1 x the model in the policy's dtype per step.
+    wire = WIRE[config]
+    assert job[0][config]["steps"][-1]["bytes"] == {
+        "all_gather": 2 * wire * PSI, "reduce_scatter": wire * PSI,
+    }  # fmt: skip
 
 
-def test_phases_partition_the_step(job: Any, server: LiveServer) -> None:
+@pytest.mark.parametrize("config", CONFIGS)
+def test_phases_partition_the_step(job: Any, server: LiveServer, config: str) -> None:
     """Forward, backward and optimizer_step ran every step, inside the step's time."""
-    run_id = _run_id(job)
+    run_id = _run_id(job, config)
     step_time = server_series(server.api, run_id, "step_time_s", STEPS)
     phases = {p: server_series(server.api, run_id, f"phase.{p}", STEPS)
               for p in ("forward", "backward", "optimizer_step")}  # fmt: skip
@@ -85,25 +106,40 @@ def test_phases_partition_the_step(job: Any, server: LiveServer) -> None:
             assert sum(parts) <= step_time[rank][i] * 1.001
 
 
+@pytest.mark.parametrize("config", CONFIGS)
 def test_all_gathers_are_parameter_fetches_and_reduce_scatters_gradient_reduction(
-    job: Any, server: LiveServer
+    job: Any, server: LiveServer, config: str
 ) -> None:
-    run_id = _run_id(job)
+    run_id = _run_id(job, config)
     counts = server_series(server.api, run_id, "collective.all_gather.count", STEPS)
     assert counts[0] == counts[1] == [8.0] * STEPS  # 4 layers, in forward and in backward
     purposes = server_collective_purposes(server.api, run_id)
     assert purposes == {("all_gather", "param_fetch"), ("reduce_scatter", "grad_reduce")}
 
 
-def test_model_state_is_the_local_shards_and_optimizer_state(job: Any, server: LiveServer) -> None:
-    run_id = _run_id(job)
-    shard = 4 * math.ceil(PSI / 2)
-    for kind, expected in (("params", shard), ("grads", shard), ("optimizer_states", 2 * shard)):
+@pytest.mark.parametrize("config", CONFIGS)
+def test_model_state_is_the_local_shards_and_optimizer_state(
+    job: Any, server: LiveServer, config: str
+) -> None:
+    """fp32: params, grads and optimizer states are the ZeRO-3 shards, equal to the theory.
+    bf16: the fp32 shards are the master weights (equal to the theory); gradients stay fp32
+    (twice the model's bf16 gradients); no low-precision parameter is held at rest."""
+    run_id = _run_id(job, config)
+    shard = math.ceil(PSI / 2)
+    expected = {"grads": 4 * shard, "optimizer_states": 8 * shard}
+    expected["params" if config == "fp32" else "master_weights"] = 4 * shard
+    for kind, value in expected.items():
         stored = server_series(server.api, run_id, f"memory.state.{kind}", STEPS)
         theory = server_series(server.api, run_id, f"memory.theory.{kind}", STEPS)
         for rank in (0, 1):
-            assert stored[rank][-1] == expected == theory[rank][-1], (kind, rank)
+            assert stored[rank][-1] == value, (kind, rank)
+            if (config, kind) != ("bf16", "grads"):
+                assert theory[rank][-1] == value, (kind, rank)
+    if config == "bf16":
+        assert server_series(server.api, run_id, "memory.theory.grads", STEPS)[0][-1] == 2 * shard
+        assert server_series(server.api, run_id, "memory.state.params", STEPS) == {}
 
 
-def test_closing_the_run_removes_every_hook_and_wrapper(job: Any) -> None:
-    assert job[0]["restored"] and job[1]["restored"]
+@pytest.mark.parametrize("config", CONFIGS)
+def test_closing_the_run_removes_every_hook_and_wrapper(job: Any, config: str) -> None:
+    assert job[0][config]["restored"] and job[1][config]["restored"]

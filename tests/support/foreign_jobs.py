@@ -218,7 +218,7 @@ def fsdp2_worker(rank: int, world: int, port: int, out_dir: str, server: str | N
     _join(rank, world, port)
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import zerowatch
 
@@ -228,10 +228,12 @@ def fsdp2_worker(rank: int, world: int, port: int, out_dir: str, server: str | N
     results: dict[str, Any] = {}
     for name in configs:
         model = mlp()
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if name == "bf16" else None
+        kw = {"mp_policy": policy} if policy is not None else {}
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
+                fully_shard(layer, **kw)
+        fully_shard(model, **kw)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         hooks_before = _hooks(model, opt)
         run = None
