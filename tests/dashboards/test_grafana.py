@@ -96,3 +96,38 @@ def test_every_promql_parses_with_promtool(tmp_path: Path):
     out = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"{len(panel_exprs)} rules found" in out.stdout
+
+
+@pytest.mark.slow
+def test_every_panel_query_returns_data_from_a_real_prometheus_scraping_zerowatch():
+    """Prometheus (Debian's) scrapes a live server fed a simulated fp16 stage-2 offload run;
+    each panel's query, as Grafana would send it with "All" selected, returns series."""
+    if shutil.which("prometheus") is None:
+        pytest.fail("prometheus not installed: run .ci/system-deps")
+    from support.dashboard_runs import post_simulated_run
+    from support.live_server import LiveServer
+    from support.prometheus import prometheus
+
+    from zerowatch import simulate as sim
+
+    spec = sim.SimSpec(name="grafana", project="dash", world_size=2, stage=2,
+                       offload_optimizer=True, precision="fp16", spans_every=0)  # fmt: skip
+    dash = load()
+    queries = [
+        (p["title"], t["expr"].replace("$__rate_interval", "1m").replace("$project", ".*")
+         .replace("$run", ".*"))
+        for p in dash["panels"] for t in p.get("targets", [])
+    ]  # fmt: skip
+    with LiveServer() as server:
+        run_id = post_simulated_run(server.url, spec, 5)
+        with prometheus(targets=[server.url + "/metrics"]) as prom:
+            prom.wait_for(lambda: prom.query("zerowatch_step_time_seconds"), timeout=30)
+            # More steps after the first scrape, so counters and histograms move.
+            post_simulated_run(server.url, spec, 5, start=5, run_id=run_id)
+            prom.wait_for(lambda: prom.query("max(zerowatch_steps_total) >= 10"), timeout=30)
+            empty = [(title, q) for title, q in queries if not prom.query(q)]
+            assert empty == [], empty
+            for var in dash["templating"]["list"]:
+                if var["type"] == "query":  # label_values(metric{...}, label) -> the metric
+                    metric = var["definition"].split("(", 1)[1].rsplit(",", 1)[0]
+                    assert prom.query(metric.replace("$project", ".*")), var["name"]
