@@ -40,7 +40,8 @@ def figure_dict(fig: go.Figure) -> dict[str, Any]:
 
 def script_json(value: Any) -> str:
     """JSON safe to embed inside a `<script type="application/json">` element."""
-    text = json.dumps(value, cls=PlotlyJSONEncoder, allow_nan=False, separators=(",", ":"))
+    # PlotlyJSONEncoder writes NaN and infinities as null (JSON has neither).
+    text = json.dumps(value, cls=PlotlyJSONEncoder, separators=(",", ":"))
     for char, escaped in _SCRIPT_ESCAPES.items():
         text = text.replace(char, escaped)
     return text

@@ -1,0 +1,123 @@
+"""The pages over HTTP (no browser): what each route answers, bad input never a 500, the
+live endpoint's contract, assets from the installed plotly, and the read-token rule."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import plotly
+import pytest
+from fastapi.testclient import TestClient
+from zerowatch.dashboards.html import script_json
+from zerowatch.server import store
+from zerowatch.server.app import create_app
+from zerowatch.server.settings import Settings
+
+from zerowatch import events as ev
+from zerowatch import simulate as sim
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):  # type: ignore[no-untyped-def]
+    db = tmp_path_factory.mktemp("pages") / "z.db"
+    app = create_app(Settings(db_url=f"sqlite:///{db}", stalled_after_s=3600))
+    ids = {}
+    for stage in (1, 3):
+        spec = sim.SimSpec(name=f"run {stage}", stage=stage, world_size=2, seed=stage)
+        rc = sim.run_create(spec)
+        store.create_run(app.state.db, run=rc)
+        events = [e for step in sim.steps(spec, 12) for e in step]
+        store.ingest_batch(app.state.db, run_id=rc.run_id,
+                           batch=ev.EventBatch(run_id=rc.run_id, events=events))  # fmt: skip
+        ids[stage] = rc.run_id
+    empty = sim.run_create(sim.SimSpec(name="no steps yet"))
+    store.create_run(app.state.db, run=empty)
+    ids[0] = empty.run_id
+    with TestClient(app) as c:
+        c.ids = ids  # type: ignore[attr-defined]
+        yield c
+
+
+def test_script_json_cannot_close_the_script_element():
+    text = script_json({"name": "</script><script>alert(1)</script>", "x": [float("nan")]})
+    assert "<" not in text and ">" not in text
+    assert '"x":[null]' in text
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "/?status=bogus", "/?project=", "/?tag=%00", "/?project=" + "p" * 300,
+        "/runs/%20", "/runs/" + "x" * 500, "/runs/nope/figures.json?since=-5",
+        "/runs/nope/figures.json?since=abc", "/compare?runs=,,,", "/compare?runs=a&runs=b,c",
+        "/compare?runs=" + ",".join(str(i) for i in range(50)),
+        "/plan?params=1e400", "/plan?params=-5", "/plan?gpus=0", "/plan?gpus=abc",
+        "/plan?nodes=3&gpus=8", "/plan?gpu_memory=80", "/plan?bandwidth=fast",
+        "/plan?precision=fp8", "/plan?offload=nvme", "/plan?params=7B&gpus=99999999999999999999",
+    ],
+)  # fmt: skip
+def test_bad_input_is_answered_without_a_server_error(client, url):
+    resp = client.get(url)
+    assert resp.status_code < 500, resp.text[:500]
+
+
+def test_plan_errors_name_the_field(client):
+    for url, field in [("/plan?params=lots", "params"), ("/plan?gpus=abc", "gpus"),
+                       ("/plan?gpu_memory=80", "gpu_memory"), ("/plan?offload=nvme", "offload"),
+                       ("/plan?nodes=3&gpus=8", "nodes")]:  # fmt: skip
+        resp = client.get(url)
+        assert resp.status_code == 422, url
+        error = re.search(r'id="plan-error">([^<]*)<', resp.text)
+        assert error and error.group(1).startswith(field), (url, error)
+
+
+def test_live_endpoint_sends_figures_only_when_new_steps_arrived(client):
+    run_id = client.ids[1]
+    fresh = client.get(f"/runs/{run_id}/figures.json").json()
+    assert fresh["changed"] and fresh["last_step"] == 11 and fresh["status"] == "running"
+    assert {"breakdown", "collectives", "memory", "training", "ranks"} <= set(fresh["figures"])
+    assert all(set(f) == {"data", "layout"} for f in fresh["figures"].values())
+    assert fresh["summary"]["steps"] == "12"
+    same = client.get(f"/runs/{run_id}/figures.json?since=11").json()
+    assert not same["changed"] and same["figures"] == {}
+    assert client.get("/runs/nope/figures.json").status_code == 404
+
+
+def test_run_without_steps_shows_a_waiting_page(client):
+    resp = client.get(f"/runs/{client.ids[0]}")
+    assert resp.status_code == 200
+    assert "No steps stored yet" in resp.text
+    assert "plotly.min.js" not in resp.text
+
+
+def test_compare_accepts_commas_and_repeats_and_names_missing_runs(client):
+    a, b = client.ids[1], client.ids[3]
+    resp = client.get(f"/compare?runs={a},missing-run&runs={b}")
+    assert resp.status_code == 200
+    assert resp.text.count('<tr data-run-id="') == 2
+    assert "missing-run" in resp.text
+
+
+def test_plotly_js_is_the_installed_package_file(client):
+    resp = client.get("/static/plotly.min.js")
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/javascript")
+    bundled = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+    assert resp.content == bundled.read_bytes()
+    assert client.get("/favicon.ico").headers["content-type"] == "image/x-icon"
+    assert client.get("/static/zerowatch.css").status_code == 200
+
+
+def test_pages_follow_the_read_token_rule(tmp_path):
+    settings = Settings(db_url=f"sqlite:///{tmp_path / 'z.db'}", token="sekret",
+                        read_requires_token=True)  # fmt: skip
+    with TestClient(create_app(settings)) as c:
+        assert c.get("/").status_code == 401
+        assert c.get("/plan").status_code == 401
+        assert c.get("/", headers={"Authorization": "Bearer wrong"}).status_code == 403
+        assert c.get("/", headers={"Authorization": "Bearer sekret"}).status_code == 200
+    open_reads = dataclasses.replace(settings, read_requires_token=False)
+    with TestClient(create_app(open_reads)) as c:
+        assert c.get("/").status_code == 200
