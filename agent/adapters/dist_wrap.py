@@ -24,6 +24,13 @@ that check `isinstance(work, Work)` still wait on it): the call's end comes from
 work's future callback, and the time the training thread spends inside `wait()` is the
 exposed communication time. A synchronous call is all exposed.
 
+The wrappers are process-wide: with two runs open in one process, both see every
+collective. Code that bound a function before the run began (`from torch.distributed
+import all_reduce`) keeps calling the original and is not seen; DeepSpeed and FSDP2 look
+the functions up on the module at each call. An async call is reported when the engine
+waits on its work (`work.wait()`, as DeepSpeed and FSDP2 do); work only ever waited on
+through its future is not reported.
+
 Not seen: DeepSpeed's shared-memory all-reduce (`deepspeed.comm.inference_all_reduce`,
 used by AutoTP inference layers, not by ZeRO training), point-to-point sends, `reduce`,
 `all_to_all` and `barrier` (none of them is in zerowatch's vocabulary of collectives).
