@@ -228,6 +228,13 @@ def _fill_collectives(view: RunView, rows: list[Any]) -> None:
         view.sizes[op] = SizePoints(sizes, size_bw, size_steps)
 
 
+def projects(*, db: Database) -> list[str]:
+    """Every project that has a run, sorted (for the runs page's filter)."""
+    with db.read() as conn:
+        rows = conn.execute(select(m.runs.c.project).distinct().order_by(m.runs.c.project))
+        return [r.project for r in rows]
+
+
 # -- compare --------------------------------------------------------------------------------
 
 
@@ -281,4 +288,4 @@ def run_summary(
     return run, summary
 
 
-__all__ = ["MAX_POINTS", "ROW_BUDGET", "run_summary", "run_view", "sample_steps"]
+__all__ = ["MAX_POINTS", "ROW_BUDGET", "projects", "run_summary", "run_view", "sample_steps"]

@@ -139,8 +139,7 @@ def runs_page(
                              recent_steps=settings.recent_steps, now=now)  # fmt: skip
     if status and status not in STATUSES:
         runs = []
-    every = runs if project is None else queries.list_runs(db=db, limit=1000, now=now)
-    projects = sorted({r["project"] for r in every} | ({project} if project else set()))
+    projects = sorted(set(page_queries.projects(db=db)) | ({project} if project else set()))
     return _page(
         "runs.html",
         nav="runs",

@@ -1,0 +1,84 @@
+"""The pages' reads (server/page_queries.py): sampled steps, and values that match what was
+ingested."""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+
+import pytest
+from zerowatch.server import page_queries as pq
+from zerowatch.server import store
+from zerowatch.server.db import Database
+
+from zerowatch import events as ev
+from zerowatch import simulate as sim
+
+
+def test_sample_steps_are_evenly_spaced_with_both_ends():
+    assert pq.sample_steps(0, 9, 400) == list(range(10))
+    got = pq.sample_steps(0, 99_999, 400)
+    assert len(got) == 400 and got[0] == 0 and got[-1] == 99_999
+    gaps = {b - a for a, b in itertools.pairwise(got)}
+    assert max(gaps) - min(gaps) <= 1
+    assert pq.sample_steps(5, 4, 10) == []
+
+
+@pytest.fixture
+def stored(tmp_path):  # type: ignore[no-untyped-def]
+    db = Database.open(f"sqlite:///{tmp_path / 'z.db'}")
+    spec = sim.SimSpec(name="q", stage=3, world_size=4, straggler_rank=1, offload_optimizer=True,
+                       precision="fp16", seed=5)  # fmt: skip
+    rc = sim.run_create(spec)
+    store.create_run(db, run=rc)
+    events = [e for step in sim.steps(spec, 30) for e in step]
+    store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(run_id=rc.run_id, events=events))
+    yield db, rc, events
+    db.close()
+
+
+def test_run_view_matches_the_ingested_events(stored):
+    db, rc, events = stored
+    view = pq.run_view(db=db, run_id=rc.run_id)
+    assert view is not None and view.last_step == 29 and view.steps == list(range(30))
+    at5 = [e for e in events if e.step == 5]
+    assert view.step_time.values[5] == pytest.approx(statistics.fmean(e.step_time_s for e in at5))
+    assert view.phases["backward"].values[5] == pytest.approx(
+        statistics.fmean(e.phases["backward"] for e in at5)
+    )
+    ag = [c for e in at5 for c in e.collectives if c.op == "all_gather"]
+    assert view.latency["all_gather"].values[5] == pytest.approx(
+        sum(c.latency_sum_s for c in ag) / sum(c.count for c in ag)
+    )
+    assert view.sizes["all_gather"].sizes[5] == pytest.approx(
+        sum(c.bytes for c in ag) / sum(c.count for c in ag)
+    )
+    assert set(view.offload) == {"d2h", "h2d"}
+    assert view.heat.ranks == [0, 1, 2, 3] and len(view.heat.steps) == 30
+    assert view.heat.z[1][5] == next(e.step_time_s for e in at5 if e.rank == 1)
+    assert set(view.peaks) == {0, 1, 2, 3}
+    assert view.theory == {k: float(v) for k, v in rc.theory.items()}
+    assert view.loss_scale.values[0] == 65536.0
+
+
+def test_run_view_samples_a_long_run(stored):
+    db, rc, _ = stored
+    view = pq.run_view(db=db, run_id=rc.run_id, max_points=7)
+    assert view is not None and len(view.steps) == 7
+    assert view.steps[0] == 0 and view.steps[-1] == 29
+    assert len(view.step_time.steps) == 7 and len(view.heat.steps) == 7
+
+
+def test_run_summary_averages_the_newest_steps(stored):
+    db, rc, events = stored
+    got = pq.run_summary(db=db, run_id=rc.run_id, window=10)
+    assert got is not None
+    _, summary = got
+    newest = [e for e in events if e.step >= 20]
+    assert summary.step_time_s == pytest.approx(statistics.fmean(e.step_time_s for e in newest))
+    assert summary.comm_bytes == pytest.approx({op: float(b) for op, b in rc.theory_comm.items()})
+    assert summary.samples_per_s == pytest.approx(
+        sum(statistics.median(e.samples_per_s for e in newest if e.rank == r) for r in range(4))
+    )
+    assert pq.run_summary(db=db, run_id="nope") is None
+    assert pq.run_view(db=db, run_id="nope") is None
