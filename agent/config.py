@@ -21,9 +21,10 @@ class AgentConfig:
     (0 = never). Step 0 is always sampled when enabled."""
     max_spans_per_step: int = 4096
     """Cap on raw spans kept for one sampled step (stage 3 gathers many small modules)."""
-    memory_every: int = 1
+    memory_every: int = 10
     """Read the engine's model-state bytes every this many steps (the last reading is
-    repeated between); process RSS and allocator peaks are read every step."""
+    repeated between: model state is fixed once the optimizer has stepped, and walking a
+    large model's tensors every step costs); RSS and allocator peaks are read every step."""
     queue_size: int = 4096
     """Events the training thread may hand to the shipper before it drops (bounded memory)."""
     batch_max_events: int = 64

@@ -29,6 +29,7 @@ def test_each_step_becomes_one_event_with_phases_collectives_and_memory(fake_eng
         for _ in range(4):
             fake_engine.train_step()
             run.log(loss=2.0, tokens=512)
+    assert isinstance(run, zerowatch.agent.Run) and run.status == "finished"
     events = spooled(run)
     steps = [e for e in events if e["kind"] == "step"]
     assert [e["step"] for e in steps] == [0, 1, 2, 3]
@@ -38,7 +39,7 @@ def test_each_step_becomes_one_event_with_phases_collectives_and_memory(fake_eng
         phases = e["phases"]
         top = phases["forward"] + phases["backward"] + phases["optimizer_step"]
         assert top + phases["other"] == pytest.approx(e["step_time_s"], rel=1e-9)
-        assert phases["other"] < 0.05 * e["step_time_s"]
+        assert phases["other"] < 0.2 * e["step_time_s"]  # only callbacks run between phases
         assert phases["backward_inner"] == pytest.approx(phases["backward"] - phases["grad_reduce"])
         by_op = {(c["op"], c["purpose"]): c for c in e["collectives"]}
         rs = by_op[("reduce_scatter", "grad_reduce")]
