@@ -5,8 +5,9 @@
 
 Failures are sorted into three kinds, because the shipper treats them differently:
 
-* `ServerUnavailable`: connection refused, timeout, 5xx, 429, 404 for a run not created
-  yet — worth retrying later; the events wait in the spool meanwhile.
+* `ServerUnavailable`: connection refused, timeout, 5xx, 429 — worth retrying later; the
+  events wait in the spool meanwhile. `RunNotFound` (404 for a run's events: a server
+  restarted on an empty database) is one of them: create the run again, then retry.
 * `PayloadTooLarge` (413): split the batch and send the halves.
 * `ServerRejected`: any other 4xx (bad token, schema mismatch) — retrying the same bytes
   cannot help; the message names the status and the server's detail.
@@ -33,6 +34,10 @@ class IngestError(Exception):
 
 class ServerUnavailable(IngestError):
     """The server cannot take the request now; try again later."""
+
+
+class RunNotFound(ServerUnavailable):
+    """404 for a run's events: the run is not (or no longer) there; create it and retry."""
 
 
 class PayloadTooLarge(IngestError):
@@ -68,7 +73,9 @@ def _check(resp: httpx.Response, *, missing_run_is_transient: bool) -> None:
     code = resp.status_code
     if code < 400:
         return
-    if code >= 500 or code == 429 or (code == 404 and missing_run_is_transient):
+    if code == 404 and missing_run_is_transient:
+        raise RunNotFound(f"{code} from {resp.request.url}: {_detail(resp)}")
+    if code >= 500 or code == 429:
         raise ServerUnavailable(f"{code} from {resp.request.url}: {_detail(resp)}")
     if code == 413:
         raise PayloadTooLarge(_detail(resp))
@@ -110,7 +117,8 @@ class IngestClient:
         self._retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(max(attempts, 1)) | _StopAtDeadline(self),
             wait=tenacity.wait_random_exponential(multiplier=0.1, max=max_wait_s),
-            retry=tenacity.retry_if_exception_type(ServerUnavailable),
+            retry=tenacity.retry_if_exception_type(ServerUnavailable)
+            & tenacity.retry_if_not_exception_type(RunNotFound),
             reraise=True,
         )
 
@@ -164,6 +172,7 @@ __all__ = [
     "IngestError",
     "IngestResult",
     "PayloadTooLarge",
+    "RunNotFound",
     "ServerRejected",
     "ServerUnavailable",
 ]

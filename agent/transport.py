@@ -33,6 +33,7 @@ from zerowatch.agent import codec
 from zerowatch.agent.client import (
     IngestClient,
     PayloadTooLarge,
+    RunNotFound,
     ServerRejected,
     ServerUnavailable,
 )
@@ -251,6 +252,9 @@ class Transport:
             res = self._client.post_events(
                 self.run_id, codec.batch_body(self.run_id, lines), retry=retry
             )
+        except RunNotFound:
+            self._run_created = False  # the server lost it: create it again on the next try
+            raise
         except PayloadTooLarge:
             if len(lines) == 1:
                 self._health.drop(1, "an event is larger than the server's size limit (413)")

@@ -155,6 +155,8 @@ class FakeIngestServer:
                 if self.path.endswith("/runs"):
                     fake.runs.append(body)
                     return self._reply(201, body)
+                if body["run_id"] not in {r["run_id"] for r in fake.runs}:
+                    return self._reply(404, {"detail": "unknown run"})
                 evs = body["events"]
                 if fake.max_batch is not None and len(evs) > fake.max_batch:
                     return self._reply(413, {"detail": "too large"})

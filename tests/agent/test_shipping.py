@@ -202,3 +202,15 @@ def test_zerowatch_upload_command_sends_a_spool(fake_engine, fake_server, spool_
     assert "4 stored" in result.output and len(good.steps()) == 3
     down = CliRunner().invoke(app, ["upload", str(spool_root), "--server", closed_port_url()])
     assert down.exit_code == 1 and "error" in down.output
+
+
+def test_a_server_that_lost_the_run_gets_it_created_again(fake_engine, fake_server, spool_root):
+    server = fake_server("ok")
+    with zerowatch.instrument(fake_engine, server=server.url, spool_dir=spool_root, **FAST) as run:
+        step_times(fake_engine, run, 3)
+        assert wait_for(lambda: len(server.steps()) >= 2)
+        server.runs.clear()  # restarted on an empty database
+        step_times(fake_engine, run, 3)
+    assert [e["step"] for e in server.steps()] == list(range(6))
+    assert [r["run_id"] for r in server.runs] == [run.id]
+    assert run.stats["dropped_events"] == 0
