@@ -175,11 +175,20 @@ def test_server_down_from_the_start_then_upload_stores_every_step_once(job):
     for name in CASES:
         run_id = job["results"][0][name]["run_id"]
         run = httpx.get(f"{server.api}/runs/{run_id}", timeout=10).json()
+        res0 = job["results"][0][name]
         assert run["status"] == "finished"
-        assert (
-            run["world_size"] == WORLD
-            and run["zero_stage"] == job["results"][0][name]["zero_stage"]
+        assert (run["name"], run["world_size"], run["zero_stage"]) == (
+            name,
+            WORLD,
+            res0["zero_stage"],
         )
+        assert (
+            run["precision"] == res0["precision"] and run["param_count"] == res0["num_parameters"]
+        )
+        assert run["offload_optimizer"] == ("cpu" if "offload" in name else "none")
+        assert run["config"]["zero_optimization"]["stage"] == res0["zero_stage"]
+        assert len(run["hosts"]) == WORLD and run["torch_version"] and run["zerowatch_version"]
+        assert run["theory"] == res0["theory"]
         ranks = {r["rank"]: r for r in run["ranks"]}
         assert sorted(ranks) == list(range(WORLD))
         for r in ranks.values():
