@@ -15,6 +15,7 @@ import math
 import time
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import plotly
 from fastapi import APIRouter, Depends, Query
@@ -168,6 +169,21 @@ def _summary(view: RunView) -> dict[str, str]:
     }
 
 
+def _refine(view: RunView, run_id: str, figures: dict[str, Any]) -> list[dict[str, Any]]:
+    """Traces the page refines after drawing, where sampling steps could miss a spike.
+
+    The charts draw sampled steps (fast for any run size); when the run holds more steps than
+    were sampled, the page then fetches the gradient norm, downsampled keeping every bucket's
+    minimum and maximum (the series API), and swaps it into its trace: a one-step grad-norm
+    spike in a million-step run stays visible. The norm is global, so rank 0's is the run's.
+    """
+    steps = view.steps
+    if "training" not in figures or not steps or len(steps) >= steps[-1] - steps[0] + 1:
+        return []
+    url = f"/api/v1/runs/{quote(run_id, safe='')}/series?metric=grad_norm&rank=0&max_points=1000"
+    return [{"chart": "training", "trace": 0, "url": url}]
+
+
 def _view(db: Any, settings: Any, run_id: str) -> RunView | None:
     return page_queries.run_view(db=db, run_id=run_id, stalled_after_s=settings.stalled_after_s,
                                  recent_steps=settings.recent_steps)  # fmt: skip
@@ -200,6 +216,7 @@ async def run_page(run_id: str, db: DbDep, settings: SettingsDep) -> HTMLRespons
         charts=[{"id": k, "wide": w} for k, w in run_figs.CHARTS if k in figures],
         notes=run_figs.missing_notes(view, figures),
         figures=html.figures_payload(figures),
+        refine=_refine(view, run_id, figures),
         config_json=json.dumps(run.get("config") or {}, indent=2, sort_keys=True, default=str),
     )
 
@@ -217,6 +234,7 @@ async def run_figures(
         return JSONResponse({"detail": f"run {run_id!r} not found"}, status_code=404)
     status = view.run["status"]
     changed = view.last_step > since
+    figures = run_figs.figures(view) if changed else {}
     body = {
         "run_id": run_id,
         "status": status,
@@ -224,7 +242,8 @@ async def run_figures(
         "last_step": view.last_step,
         "changed": changed,
         "summary": _summary(view),
-        "figures": html.figures_payload(run_figs.figures(view)) if changed else {},
+        "figures": html.figures_payload(figures),
+        "refine": _refine(view, run_id, figures),
     }
     return JSONResponse(json.loads(html.script_json(body)))
 

@@ -24,6 +24,45 @@
     });
   }
 
+  // Swap traces for their spike-keeping versions from the series API (see pages._refine).
+  // A live page re-fetches them at most every REFINE_MS; between fetches it keeps the last
+  // refined points and appends the newer sampled ones, so a spike never blinks away.
+  var REFINE_MS = 30000;
+  var refined = {};  // "chart/trace" -> {steps, values, at}
+
+  function applyRefined(r) {
+    var got = refined[r.chart + "/" + r.trace];
+    var div = document.getElementById("chart-" + r.chart);
+    if (!got || !div || !div.data || !div.data[r.trace]) return;
+    var x = got.steps.slice(), y = got.values.slice();
+    var last = x.length ? x[x.length - 1] : -Infinity;
+    var sx = div.data[r.trace].x || [], sy = div.data[r.trace].y || [];
+    for (var i = 0; i < sx.length; i++) {
+      if (sx[i] > last) { x.push(sx[i]); y.push(sy[i]); }
+    }
+    Plotly.restyle(div, { x: [x], y: [y] }, [r.trace]);
+    div.setAttribute("data-refined", String(x.length));
+  }
+
+  function refine(list) {
+    (list || []).forEach(function (r) {
+      var key = r.chart + "/" + r.trace;
+      if (refined[key] && Date.now() - refined[key].at < REFINE_MS) {
+        applyRefined(r);
+        return;
+      }
+      fetch(r.url, { headers: { Accept: "application/json" } })
+        .then(function (resp) { return resp.ok ? resp.json() : null; })
+        .then(function (body) {
+          var s = body && body.series && body.series[0];
+          if (!s) return;
+          refined[key] = { steps: s.steps, values: s.values, at: Date.now() };
+          applyRefined(r);
+        })
+        .catch(function () { /* the sampled trace stays */ });
+    });
+  }
+
   function setText(id, value) {
     var el = document.getElementById(id);
     if (el && value !== undefined && value !== null) el.textContent = String(value);
@@ -52,6 +91,7 @@
               return;
             }
             draw(msg.figures, true);
+            refine(msg.refine);
           }
           lastStep = msg.last_step;
           var s = msg.summary || {};
@@ -96,6 +136,7 @@
   document.addEventListener("DOMContentLoaded", function () {
     var figures = readJSON("zw-figures");
     if (figures) draw(figures, false);
+    if (figures) refine(readJSON("zw-refine"));
     live(document.body);
     compareSelection();
   });

@@ -67,6 +67,15 @@ def test_run_page_of_a_million_rank_steps_renders_in_under_2s(big_server, probe)
         limit = MAX_POINTS * 8 if cid == "ranks" else MAX_POINTS
         assert max(c["points"]) <= limit, (cid, c["points"])
     assert got["breakdown"]["maxX"] == stored // 8 - 1  # the x range still spans the run
+    # The grad norm is then refined from the spike-keeping series: the run holds a 50x
+    # grad-norm spike every 250 steps, which the min/max downsampling keeps in every bucket.
+    probe.page.wait_for_function(
+        "() => document.getElementById('chart-training').hasAttribute('data-refined')",
+        timeout=20_000,
+    )
+    norms = probe.page.evaluate("() => document.getElementById('chart-training').data[0].y")
+    spikes = sum(1 for v in norms if v > 10)
+    assert len(norms) > MAX_POINTS and spikes >= len(norms) // 3, (len(norms), spikes)
     assert probe.errors == []
 
 
