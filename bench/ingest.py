@@ -363,6 +363,8 @@ def main() -> None:
     ap.add_argument("--points", type=int, default=1_000_000, help="rank-steps of the query run")
     ap.add_argument("--query-ranks", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--skip-ingest", action="store_true")
+    ap.add_argument("--skip-queries", action="store_true")
     args = ap.parse_args()
 
     print(
@@ -375,40 +377,52 @@ def main() -> None:
                 print(f"\n## {name}: skipped (binaries not installed)")
                 continue
             print(f"\n## {name}\n")
-            with server(db_url) as url:
-                print(
-                    "| events/request | requests | rank-steps | wall s | rank-steps/s | p50 ms | p99 ms |"
-                )
-                print("|---|---|---|---|---|---|---|")
-                for per in sorted({1, args.events_per_request}):
-                    steps = args.steps if per > 1 else max(2, args.steps // 4)
-                    r = bench_ingest(
-                        url,
-                        ranks=args.ranks,
-                        steps=steps,
-                        per_request=per,
-                        clients=args.clients,
-                        threads=args.threads,
-                    )
-                    print(
-                        f"| {per} | {r['requests']} | {r['rank_steps']} | {r['wall_s']:.1f} | "
-                        f"**{r['rank_steps_per_s']:.0f}** | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} |",
-                        flush=True,
-                    )
-            t = time.perf_counter()
-            run_id = fill(db_url, ranks=args.query_ranks, points=args.points)
-            print(
-                f"\nquery run: {args.points} rank-steps ({args.query_ranks} ranks x "
-                f"{args.points // args.query_ranks} steps) written in {time.perf_counter() - t:.0f} s\n"
+            if not args.skip_ingest:
+                ingest_table(db_url, args)
+            if not args.skip_queries:
+                query_table(db_url, args)
+
+
+def ingest_table(db_url: str, args: argparse.Namespace) -> None:
+    """Print the ingest table of one backend (fresh server process)."""
+    with server(db_url) as url:
+        print(
+            "| events/request | requests | rank-steps | wall s | rank-steps/s | p50 ms | p99 ms |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for per in sorted({1, args.events_per_request}):
+            steps = args.steps if per > 1 else max(2, args.steps // 4)
+            r = bench_ingest(
+                url,
+                ranks=args.ranks,
+                steps=steps,
+                per_request=per,
+                clients=args.clients,
+                threads=args.threads,
             )
-            with server(db_url) as url:
-                print("| query | p50 ms | p95 ms | points |")
-                print("|---|---|---|---|")
-                for q in bench_queries(url, run_id, repeats=args.repeats):
-                    print(
-                        f"| {q['query']} | {q['p50_ms']:.1f} | **{q['p95_ms']:.1f}** | {q['note']} |",
-                        flush=True,
-                    )
+            print(
+                f"| {per} | {r['requests']} | {r['rank_steps']} | {r['wall_s']:.1f} | "
+                f"**{r['rank_steps_per_s']:.0f}** | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} |",
+                flush=True,
+            )
+
+
+def query_table(db_url: str, args: argparse.Namespace) -> None:
+    """Write the query run, then print the query table (fresh server process)."""
+    t = time.perf_counter()
+    run_id = fill(db_url, ranks=args.query_ranks, points=args.points)
+    print(
+        f"\nquery run: {args.points} rank-steps ({args.query_ranks} ranks x "
+        f"{args.points // args.query_ranks} steps) written in {time.perf_counter() - t:.0f} s\n"
+    )
+    with server(db_url) as url:
+        print("| query | p50 ms | p95 ms | points |")
+        print("|---|---|---|---|")
+        for q in bench_queries(url, run_id, repeats=args.repeats):
+            print(
+                f"| {q['query']} | {q['p50_ms']:.1f} | **{q['p95_ms']:.1f}** | {q['note']} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
