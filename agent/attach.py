@@ -167,7 +167,7 @@ def instrument(
         started_at=started,
     )
     spool = Spool(
-        Path(spool_dir if spool_dir is not None else DEFAULT_SPOOL_ROOT) / run_id,
+        Path(os.path.abspath(spool_dir if spool_dir is not None else DEFAULT_SPOOL_ROOT)) / run_id,
         job.rank,
         max_bytes=config.max_spool_bytes,
         segment_bytes=config.spool_segment_bytes,
