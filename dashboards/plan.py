@@ -118,20 +118,35 @@ def memory(rows: Sequence[StagePlan], gpu_memory_bytes: float) -> go.Figure:
         annotation_position="top left",
     )
     fig.update_layout(barmode="relative", yaxis={"title": {"text": "bytes per rank (GiB)"}})
+    # ZeRO-0 of a big model can need 10x a GPU: cut the axis at 3x the GPU's memory so the
+    # options that fit stay readable, and write the cut bars' totals at the edge.
+    cut = 3 * gpu_memory_bytes
+    if max([r.device_total for r in rows] + host, default=0.0) > cut:
+        fig.update_layout(yaxis_range=[0, cut / th.GIB],
+                          title_text=f"{fig.layout.title.text} (axis cut at 3× GPU memory)")  # fmt: skip
+        for r in rows:
+            if r.device_total > cut:
+                fig.add_annotation(x=r.label, y=cut / th.GIB, yanchor="top", showarrow=False,
+                                   text=f"↑ {th.fmt_bytes(r.device_total)}",
+                                   font={"size": 11, "color": "#2d3436"},
+                                   bgcolor="rgba(255,255,255,0.85)")  # fmt: skip
     return fig
 
 
 def communication(
     rows: Sequence[StagePlan], bandwidth_bytes_per_s: float | None = None
 ) -> go.Figure:
-    """Collective bytes per step for each option; with a bus bandwidth, the seconds the bytes
-    a rank sends take at it (right axis)."""
+    """Bytes one rank sends per step for each option (the collective sizes times the bus
+    factor: 2Ψ elements for stages 0-2, 3Ψ for stage 3, as the ZeRO paper counts); with a bus
+    bandwidth, the seconds they take (right axis)."""
     fig = th.figure("Communication per step by ZeRO stage", height=440, legend=_LEGEND_RIGHT,
                     margin={"l": 64, "r": 200, "t": 56, "b": 90})  # fmt: skip
     x = [r.label for r in rows]
     fig.add_trace(
-        go.Bar(x=x, y=[r.comm_bytes / th.GIB for r in rows], name="collective size per step",
-               marker={"color": "#F58518"}, hovertemplate="%{y:.4~f} GiB per step")
+        go.Bar(x=x, y=[r.traffic_bytes / th.GIB for r in rows], name="bytes sent per rank",
+               marker={"color": "#F58518"}, customdata=[r.comm_bytes / th.GIB for r in rows],
+               hovertemplate="%{y:.4~f} GiB sent per step<br>"
+                             "(collective size %{customdata:.4~f} GiB)")
     )  # fmt: skip
     if bandwidth_bytes_per_s:
         fig.add_trace(
@@ -143,7 +158,7 @@ def communication(
         fig.update_layout(yaxis2={**th.AXIS_STYLE, "title": {"text": "seconds per step"},
                                   "overlaying": "y", "side": "right", "rangemode": "tozero",
                                   "showgrid": False})  # fmt: skip
-    fig.update_layout(yaxis={"title": {"text": "bytes per step (GiB)"}, "rangemode": "tozero"})
+    fig.update_layout(yaxis={"title": {"text": "bytes sent per step (GiB)"}, "rangemode": "tozero"})
     return fig
 
 

@@ -108,5 +108,20 @@ def test_plan_communication_converts_bytes_to_seconds_at_the_given_bandwidth():
     fig = plan.communication(rows, bandwidth_bytes_per_s=100e9)
     secs = next(t for t in fig.data if t.type == "scatter")
     assert list(secs.y) == pytest.approx([r.traffic_bytes / 100e9 for r in rows])
-    assert fig.layout.yaxis.title.text == "bytes per step (GiB)"
+    sent = next(t for t in fig.data if t.type == "bar")
+    assert list(sent.y) == pytest.approx([r.traffic_bytes / GIB for r in rows])
+    # The paper's 2Ψ for stages 0-2 and 3Ψ for stage 3.
+    assert sent.y[0] == pytest.approx(sent.y[1]) == pytest.approx(sent.y[2])
+    assert sent.y[3] == pytest.approx(1.5 * sent.y[0])
+    assert fig.layout.yaxis.title.text == "bytes sent per step (GiB)"
     assert fig.layout.yaxis2.title.text == "seconds per step"
+
+
+def test_plan_memory_cuts_the_axis_at_three_gpus_and_labels_the_cut_bars():
+    rows = plan.stage_plans(70_000_000_000, 64, 80 * GIB)
+    fig = plan.memory(rows, 80 * GIB)
+    assert fig.layout.yaxis.range == (0, 240.0)
+    notes = {a.x: a.text for a in fig.layout.annotations if a.text.startswith("↑")}
+    # 70B: 1.12 TB under DDP, 293 GB at stage 1 run past 240 GiB; stage 2 (147 GiB) does not.
+    assert set(notes) == {"ZeRO-0", "ZeRO-1"}
+    assert "TiB" in notes["ZeRO-0"]
