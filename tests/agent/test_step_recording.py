@@ -178,3 +178,12 @@ def test_run_create_is_spooled_with_the_job_description(fake_engine, spool_root)
     assert rc["hosts"] and rc["torch_version"] and rc["zerowatch_version"]
     assert math.isclose(rc["started_at"], run._transport.spool.run_dir.stat().st_mtime, abs_tol=60)
     assert Path(run.spool_path).parent == spool_root
+
+
+def test_steps_are_numbered_from_the_engines_step_count(fake_engine, spool_root):
+    for _ in range(3):
+        fake_engine.train_step()
+    with zerowatch.instrument(fake_engine, spool_dir=spool_root) as run:
+        fake_engine.train_step()
+        fake_engine.train_step()
+    assert [e["step"] for e in spooled(run) if e["kind"] == "step"] == [3, 4]
