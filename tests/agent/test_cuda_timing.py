@@ -48,9 +48,11 @@ def test_cuda_steps_are_timed_from_events_without_synchronizing(
     run = zerowatch.instrument(fake_engine, spool_dir=spool_root)
     for _ in range(5):
         gpu_step()
+        time.sleep(0.05)  # the host is not far ahead: each step's events complete meanwhile
     assert syncs == []  # nothing waited on the device during training
-    assert run._recorder.steps_emitted >= 3  # events went out a step (or so) later
+    assert run._recorder.steps_emitted >= 3  # each step went out once its events completed
     run.close()
+    assert len(syncs) <= 1  # at most once, at close, for the last step
     events = []
     for seg in segments(run.spool_path / "rank-00000"):
         events.extend(obj for _, obj in read_events(seg))
