@@ -16,6 +16,7 @@ from functools import lru_cache
 from typing import Any
 
 import jinja2
+import plotly
 import plotly.graph_objects as go
 from plotly.utils import PlotlyJSONEncoder
 from zerowatch.dashboards import theme as th
@@ -77,7 +78,9 @@ def environment() -> jinja2.Environment:
         time=_fmt_time,
         script_json=lambda v: jinja2.utils.markupsafe.Markup(script_json(v)),
     )
-    env.globals.update(status_colors=th.STATUS_COLORS, plot_config=PLOT_CONFIG)
+    # plotly's version in the script URL: browsers cache plotly.js, and an upgrade changes it.
+    env.globals.update(status_colors=th.STATUS_COLORS, plot_config=PLOT_CONFIG,
+                       plotly_version=plotly.__version__)  # fmt: skip
     return env
 
 

@@ -37,7 +37,7 @@ PLOTLY_JS = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
 STATUSES = ("running", "stalled", "finished", "failed")
 #: Most runs one compare page shows.
 MAX_COMPARE = 12
-#: Browsers may keep plotly.js (versioned by the installed package) for a day.
+#: Browsers may keep plotly.js for a day (pages ask for it with plotly's version in the URL).
 CACHE = {"Cache-Control": "public, max-age=86400"}
 
 router = APIRouter(include_in_schema=False, dependencies=[Depends(require_read)])
