@@ -30,8 +30,9 @@ Model-state bytes are read from the ZeRO optimizer's own buffers, each storage o
                (the same storage as the params in fp32 on the same device: counted once);
                grads: `grad_partitions_flat_buffer` and the fp32 partitions' `.grad`
 
-With `offload_optimizer` on, optimizer states, master weights and fp32 gradient partitions
-are reported as `host_<kind>`, as in zerowatch.theory. DeepSpeed stages 1-2 keep an fp32
+With `offload_optimizer` on, optimizer states, master weights and the fp32 gradient
+partition are reported as `host_<kind>`, as in zerowatch.theory (and the parameter
+partitions with stage 3's `offload_param`). DeepSpeed stages 1-2 keep an fp32
 master partition even when training in fp32, which the ZeRO model does not count (there
 the fp32 parameters are the master): measured master_weights exceed the theory by 4Ψ/N.
 """
@@ -44,12 +45,7 @@ from typing import Any
 
 from zerowatch.agent.adapters import dist_wrap
 from zerowatch.agent.adapters.base import JobInfo, StepStats
-from zerowatch.agent.adapters.foreign import (
-    PhaseBoard,
-    TensorCensus,
-    host_kinds,
-    optimizer_state_tensors,
-)
+from zerowatch.agent.adapters.foreign import PhaseBoard, TensorCensus, optimizer_state_tensors
 from zerowatch.agent.adapters.zerowatch_engine import _finite_or_none
 
 from zerowatch import theory
@@ -188,7 +184,8 @@ class DeepSpeedAdapter:
             return grad
 
         def pre_forward(_module: Any, _args: Any) -> None:
-            board.begin_forward()
+            if torch.is_grad_enabled():  # an evaluation forward is no part of a step
+                board.begin_forward()
 
         def post_forward(_module: Any, _args: Any, output: Any) -> None:
             board.end("forward")
@@ -262,34 +259,38 @@ class DeepSpeedAdapter:
     def model_state_bytes(self) -> dict[str, int]:
         e = self.engine
         opt = e.optimizer
-        census = TensorCensus()
         stage = int(e.zero_optimization_stage())
+        # Offloaded state lives on the host: `host_<kind>`, as zerowatch.theory names it.
+        off_opt = stage >= 1 and _offload_device(e.zero_offload_optimizer()) == "cpu"
+        off_param = stage == 3 and _offload_device(e.zero_offload_param()) == "cpu"
+        params = "host_params" if off_param else "params"
+        master = "host_master_weights" if off_opt else "master_weights"
+        opt_grads = "host_grads" if off_opt else "grads"  # the fp32 gradient partition
+        census = TensorCensus()
         if stage == 3:
-            census.add("params", getattr(opt, "fp16_partitioned_groups_flat", None))
+            census.add(params, getattr(opt, "fp16_partitioned_groups_flat", None))
             for p in e.module.parameters():
-                census.add("params", getattr(p, "ds_tensor", None))
-                census.add("params", p.data)
-            census.add("master_weights", getattr(opt, "fp32_partitioned_groups_flat", None))
-            census.add("grads", getattr(opt, "grad_partitions_flat_buffer", None))
+                census.add(params, getattr(p, "ds_tensor", None))
+                census.add("params", p.data)  # gathered (or persistent) data on the device
+            census.add(master, getattr(opt, "fp32_partitioned_groups_flat", None))
+            census.add(opt_grads, getattr(opt, "grad_partitions_flat_buffer", None))
             for flat in getattr(opt, "fp32_partitioned_groups_flat", None) or []:
-                census.add("grads", flat.grad)
+                census.add(opt_grads, flat.grad)
         elif stage in (1, 2):
             census.add("params", getattr(opt, "bit16_groups_flat", None))
             census.add("params", [p.data for p in e.module.parameters()])
             fp32 = getattr(opt, "single_partition_of_fp32_groups", None) or []
-            census.add("master_weights", fp32)
-            census.add("grads", [t.grad for t in fp32])
+            census.add(master, fp32)
+            census.add(opt_grads, [t.grad for t in fp32])
+            census.add(opt_grads, getattr(opt, "grads_in_partition", None))
             census.add("grads", getattr(opt, "averaged_gradients", None))
-            census.add("grads", getattr(opt, "grads_in_partition", None))
         else:
             census.add("params", [p.data for p in e.module.parameters()])
         census.add("grads", [p.grad for p in e.module.parameters()])
         inner = getattr(opt, "optimizer", opt)
-        census.add("optimizer_states", optimizer_state_tensors(inner))
-        measured = census.result()
-        if _offload_device(e.zero_offload_optimizer()) == "cpu" and stage >= 1:
-            measured = host_kinds(measured, ("optimizer_states", "master_weights"))
-        return measured
+        census.add("host_optimizer_states" if off_opt else "optimizer_states",
+                   optimizer_state_tensors(inner))  # fmt: skip
+        return census.result()
 
     def step_stats(self) -> StepStats:
         e = self.engine

@@ -240,7 +240,8 @@ class FSDP2Adapter:
                         t.register_hook(hook)
 
         def pre_forward(_module: Any, _args: Any) -> None:
-            board.begin_forward()
+            if torch.is_grad_enabled():  # an evaluation forward is no part of a step
+                board.begin_forward()
 
         def post_forward(_module: Any, _args: Any, output: Any) -> None:
             board.end("forward")

@@ -124,28 +124,44 @@ def test_phase_times_agree_with_deepspeed_wall_clock_timers(
             )
 
 
+#: Measured model state per rank at a step's end, in units of (Ψ, Ψ/N) bytes per element.
+_FULL, _SHARD = 4 * PSI, 4 * math.ceil(PSI / 2)
+MEASURED = {
+    "zero1": {"params": _FULL, "optimizer_states": 2 * _SHARD, "master_weights": _SHARD},
+    "zero2": {"params": _FULL, "optimizer_states": 2 * _SHARD, "master_weights": _SHARD},
+    "zero3": {"params": _SHARD, "optimizer_states": 2 * _SHARD, "master_weights": _SHARD,
+              "grads": _SHARD},
+    "zero2_offload": {"params": _FULL, "host_optimizer_states": 2 * _SHARD,
+                      "host_master_weights": _SHARD, "host_grads": _SHARD},
+}  # fmt: skip
+
+
 @pytest.mark.parametrize("config", CONFIGS)
 def test_model_state_is_measured_beside_the_theory(
     job: Any, server: LiveServer, config: str
 ) -> None:
-    """Optimizer states and parameters match the ZeRO model; DeepSpeed's stages 1-3 keep an
-    fp32 master partition even in fp32 training, which the model does not count."""
+    """What DeepSpeed holds at a step's end, from its own buffers, next to the ZeRO model.
+
+    Parameters, optimizer states and (stage 3, offload) the gradient partitions equal the
+    theory. Two differences are DeepSpeed's: it keeps an fp32 master partition even when
+    training in fp32 (the model counts none: there the fp32 parameters are the master), and
+    stages 1-2 free their gradients inside engine.step(), before the step's end."""
     run_id = _run_id(job, config)
-    zero = DEEPSPEED_CONFIGS[config]
-    offload = "offload_optimizer" in zero
-    host = "host_" if offload else ""
-    shard = 4 * math.ceil(PSI / 2)
     theory = job[0][config]["theory"]
-    for kind in ("params", f"{host}optimizer_states", f"{host}master_weights"):
+    for kind, expected in MEASURED[config].items():
         stored = server_series(server.api, run_id, f"memory.state.{kind}", STEPS)
         for rank in (0, 1):
-            last = stored[rank][-1]
-            if kind.endswith("master_weights"):
-                assert last == shard, f"{config} rank {rank}: {kind}"
-            else:
-                assert last == theory[kind], f"{config} rank {rank}: {kind}"
-    expected = server_series(server.api, run_id, f"memory.theory.{host}optimizer_states", STEPS)
-    assert expected[0][-1] == theory[f"{host}optimizer_states"] > 0
+            assert stored[rank][-1] == expected, f"{config} rank {rank}: {kind}"
+        if kind.endswith("master_weights") and config != "zero2_offload":
+            assert theory[kind] == 0
+        else:
+            assert theory[kind] == expected, f"{config}: theory {kind}"
+    for kind in ("grads", "host_grads", "params", "host_params", "optimizer_states",
+                 "host_optimizer_states", "master_weights", "host_master_weights"):  # fmt: skip
+        if kind not in MEASURED[config]:
+            assert server_series(server.api, run_id, f"memory.state.{kind}", STEPS) == {}, kind
+    stored_theory = server_series(server.api, run_id, "memory.theory.params", STEPS)
+    assert stored_theory[0][-1] == theory["params"] > 0
 
 
 @pytest.mark.parametrize("config", CONFIGS)
