@@ -88,7 +88,7 @@ class BoundaryReducer:
                        for s, v in zip(seg.slots, seg.views(self._flat[seg.index]), strict=True)}  # fmt: skip
         self.tracker = _ReadyTracker(segments)
         self.sync = False
-        self.pending: list[Handle] = []
+        self.pending: list[tuple[Handle, torch.Tensor | None, Segment]] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._views]
         self._attach_grads()
 
@@ -116,10 +116,13 @@ class BoundaryReducer:
         with self.phases.phase("grad_reduce"):
             if self.op == "all_reduce":
                 h = self.comm.all_reduce(flat, purpose="grad_reduce", async_op=self.overlap)
+                self.pending.append((h, None, seg))
             else:
-                h = self.comm.reduce_scatter(seg.grad_shard, flat, purpose="grad_reduce",
+                # Out of place: gloo's in-place reduce-scatter is ~3x slower (measured).
+                out = torch.empty_like(seg.grad_shard)
+                h = self.comm.reduce_scatter(out, flat, purpose="grad_reduce",
                                              async_op=self.overlap)  # fmt: skip
-        self.pending.append(h)
+                self.pending.append((h, out, seg))
 
     def end_backward(self) -> None:
         if not self.sync:
@@ -127,8 +130,10 @@ class BoundaryReducer:
         for seg in self.tracker.unlaunched():
             self._launch(seg)
         with self.phases.phase("grad_reduce"):
-            for h in self.pending:
+            for h, out, seg in self.pending:
                 h.wait()
+                if out is not None:
+                    seg.grad_shard.copy_(out)
         self.pending.clear()
 
     def zero_grad(self) -> None:
