@@ -195,7 +195,7 @@ class ZeroEngine:
 
     __call__ = forward
 
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of `loss` / gradient_accumulation_steps (times the fp16 loss scale);
         gradients are reduced as they are produced."""
         sync = self.is_gradient_accumulation_boundary()
@@ -206,7 +206,7 @@ class ZeroEngine:
                 o.begin_pass("backward")
             factor = self.scaler.scale / self.gradient_accumulation_steps
             scaled = loss if factor == 1.0 else loss.float() * factor
-            scaled.backward()
+            scaled.backward(retain_graph=retain_graph)
             for r in self.parts.reducers:
                 r.end_backward()
             for o in self.parts.owners:
@@ -239,6 +239,10 @@ class ZeroEngine:
         if self._step_open:
             self._step_open = False
             self.phases.end("step")
+
+    def zero_optimization_stage(self) -> int:
+        """DeepSpeed's name for `zero_stage`."""
+        return self.zero_stage
 
     def train(self, mode: bool = True) -> ZeroEngine:
         self.module.train(mode)

@@ -52,15 +52,17 @@ class StaticScaler(NoScaler):
 
 
 class DynamicScaler(NoScaler):
-    """DeepSpeed's DynamicLossScaler (fp16 `loss_scale` == 0), consecutive hysteresis off."""
+    """DeepSpeed's DynamicLossScaler (fp16 `loss_scale` == 0)."""
 
     def __init__(self, *, initial_scale_power: int = 16, loss_scale_window: int = 1000,
-                 hysteresis: int = 2, min_loss_scale: float = 1.0) -> None:  # fmt: skip
+                 hysteresis: int = 2, min_loss_scale: float = 1.0,
+                 consecutive_hysteresis: bool = False) -> None:  # fmt: skip
         self.scale = float(2**initial_scale_power)
         self.window = int(loss_scale_window)
         self.delayed_shift = int(hysteresis)
         self.cur_hysteresis = int(hysteresis)
         self.min_scale = float(min_loss_scale)
+        self.consecutive_hysteresis = consecutive_hysteresis
         self.cur_iter = 0
         self.last_overflow_iter = -1
 
@@ -75,9 +77,12 @@ class DynamicScaler(NoScaler):
             else:
                 self.cur_hysteresis -= 1
             self.last_overflow_iter = self.cur_iter
-        elif (self.cur_iter - self.last_overflow_iter) % self.window == 0:
-            self.cur_hysteresis = self.delayed_shift
-            self.scale *= 2.0
+        else:
+            if self.consecutive_hysteresis:  # hysteresis counts overflows in a row only
+                self.cur_hysteresis = self.delayed_shift
+            if (self.cur_iter - self.last_overflow_iter) % self.window == 0:
+                self.cur_hysteresis = self.delayed_shift
+                self.scale *= 2.0
         self.cur_iter += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -99,7 +104,8 @@ def make_scaler(precision: str, fp16: FP16Config) -> NoScaler:
         return StaticScaler(fp16.loss_scale)
     return DynamicScaler(initial_scale_power=fp16.initial_scale_power,
                          loss_scale_window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
-                         min_loss_scale=fp16.min_loss_scale)  # fmt: skip
+                         min_loss_scale=fp16.min_loss_scale,
+                         consecutive_hysteresis=getattr(fp16, "consecutive_hysteresis", False))  # fmt: skip
 
 
 __all__ = ["DTYPES", "DynamicScaler", "NoScaler", "StaticScaler", "make_scaler"]
