@@ -51,6 +51,7 @@ class Seeded:
     server: object
     stages: dict[int, str] = field(default_factory=dict)
     xss: str = ""
+    failed: str = ""
 
     @property
     def url(self) -> str:
@@ -103,9 +104,9 @@ REAL_RUNS = ((1, FP16), (2, (*FP16, "--offload", "cpu")), (3, FP16))
 REAL_STEPS = 16
 
 
-def seed_runs(server_url: str) -> tuple[dict[int, str], str]:
-    """Real instrumented runs of stages 1, 2 and 3 of one model, plus a run whose name,
-    project, tags and config are markup (posted through the ingest API)."""
+def seed_runs(server_url: str) -> tuple[dict[int, str], str, str]:
+    """Real instrumented runs of stages 1, 2 and 3 of one model, plus (posted through the
+    ingest API) a run whose name, project, tags and config are markup and a failed run."""
     from support.dashboard_runs import launch_real_runs, post_simulated_run
 
     stages = launch_real_runs(server_url, REAL_RUNS, steps=REAL_STEPS)
@@ -115,7 +116,9 @@ def seed_runs(server_url: str) -> tuple[dict[int, str], str]:
         server_url, xss_spec, 10,
         config={"note": "</script><script>alert(3)</script>", "zero_optimization": {"stage": 1}},
     )  # fmt: skip
-    return stages, xss
+    failed_spec = sim.SimSpec(name="diverged run", project="other", world_size=2, stage=2, seed=4)
+    failed = post_simulated_run(server_url, failed_spec, 6, end="failed")
+    return stages, xss, failed
 
 
 @pytest.fixture(scope="module")
@@ -123,5 +126,5 @@ def seeded() -> Iterator[Seeded]:
     from support.live_server import LiveServer
 
     with LiveServer(settings={"stalled_after_s": 3600}) as server:
-        stages, xss = seed_runs(server.url)
-        yield Seeded(server=server, stages=stages, xss=xss)
+        stages, xss, failed = seed_runs(server.url)
+        yield Seeded(server=server, stages=stages, xss=xss, failed=failed)

@@ -21,7 +21,7 @@ def test_runs_page_lists_runs_with_badges_filters_and_compare_selected(seeded, p
     page = probe.page
     page.goto(seeded.url + "/")
     rows = page.locator("#runs-table tbody tr")
-    assert rows.count() == 4
+    assert rows.count() == 5
     for stage, run_id in seeded.stages.items():
         row = page.locator(f'tr[data-run-id="{run_id}"]')
         assert row.locator("td.name a").inner_text().startswith(f"tiny-gpt stage {stage}")
@@ -30,6 +30,17 @@ def test_runs_page_lists_runs_with_badges_filters_and_compare_selected(seeded, p
         assert re.fullmatch(r"[\d.]+ (µs|ms|s)", row.locator("td").nth(10).inner_text())
         assert row.locator(".badge").inner_text() == "finished"
     assert page.locator(f'tr[data-run-id="{seeded.xss}"] .badge').inner_text() == "running"
+    assert page.locator(f'tr[data-run-id="{seeded.failed}"] .badge').inner_text() == "failed"
+    # Each status has its own colour.
+    colors = {
+        status: page.locator(f'tr[data-run-id="{rid}"] .badge').evaluate(
+            "e => getComputedStyle(e).color"
+        )
+        for status, rid in (("finished", seeded.stages[1]), ("running", seeded.xss),
+                            ("failed", seeded.failed))
+    }  # fmt: skip
+    assert colors == {"finished": "rgb(39, 174, 96)", "running": "rgb(46, 134, 222)",
+                      "failed": "rgb(192, 57, 43)"}  # fmt: skip
     assert page.locator(f'tr[data-run-id="{seeded.stages[3]}"] td').nth(6).inner_text() == "fp16"
     assert page.locator(f'tr[data-run-id="{seeded.stages[2]}"]').get_by_text(
         "optimizer → cpu").count() == 1  # fmt: skip
@@ -48,6 +59,8 @@ def test_runs_page_lists_runs_with_badges_filters_and_compare_selected(seeded, p
     assert page.locator("#runs-table tbody tr").count() == 1
     page.goto(seeded.url + "/?tag=stage3")
     assert page.locator("#runs-table tbody tr").count() == 1
+    page.goto(seeded.url + "/?status=failed")
+    assert page.locator("#runs-table tbody tr").get_attribute("data-run-id") == seeded.failed
 
     # Compare selected: tick the three stage runs, press the button.
     page.goto(seeded.url + "/")
