@@ -172,6 +172,40 @@ def measure_rank(rank: int, args: argparse.Namespace, port: int, server: str | N
     dist.destroy_process_group()
 
 
+def wrapper_cost_us(calls: int = 20000) -> float:
+    """Microseconds zerowatch adds to one collective call: its torch.distributed wrapper,
+    the purpose lookup and the agent's per-step aggregation, around a no-op collective
+    (in this process, no process group: the wrapper is told the group has two ranks)."""
+    from zerowatch.agent.adapters import dist_wrap
+    from zerowatch.agent.adapters.foreign import PhaseBoard
+    from zerowatch.agent.probes import CollectiveAggregator
+
+    def noop(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> None:
+        return None
+
+    hub = dist_wrap._Hub()
+    hub.world = lambda group: 2  # type: ignore[assignment,method-assign]
+    wrapped = hub.wrap(noop, dist_wrap.SPECS["all_reduce"])
+    board = PhaseBoard()
+    hub.taps = (board.tap,)
+    aggregator = CollectiveAggregator()
+
+    class Sink:
+        def on_collective(self, record: Any) -> None:
+            aggregator.record(record)
+
+    board.observers.add(Sink())
+    board.start("backward")
+    t = torch.ones(8)
+    cost = []
+    for fn in (noop, wrapped):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn(t)
+        cost.append((time.perf_counter() - t0) / calls)
+    return (cost[1] - cost[0]) * 1e6
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engines", default="deepspeed,fsdp2")
@@ -216,6 +250,8 @@ def main() -> None:
           f"layers={args.layers} seq={args.seq} micro-batch={args.micro_batch}, "
           f"{args.repeats} repeats x {args.steps} steps per variant, "
           f"{'no server (spool)' if args.no_server else 'server on 127.0.0.1'}, {wall:.0f} s")  # fmt: skip
+    print(f"zerowatch's cost per collective call (wrapper + aggregation, no-op collective): "
+          f"{wrapper_cost_us():.1f} us")  # fmt: skip
     header = (f"{'engine':<15}  {'plain ms':>9}  {'agent ms':>9}  {'ratio':>6}  "
               f"{'plain cpu ms':>12}  {'agent cpu ms':>12}  {'cpu ratio':>9}  {'sent':>5}  "
               f"{'dropped':>7}")  # fmt: skip
