@@ -3,16 +3,8 @@ PostgreSQL, a real Prometheus) live in tests/support/, one module each."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (bind to port 0 and let the kernel pick)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from support.ports import free_port
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port
 from support.live_server import LiveServer
+from support.ports import free_port
 
 pytestmark = pytest.mark.slow
 
