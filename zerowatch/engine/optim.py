@@ -90,7 +90,8 @@ class MasterWeights:
                                    pin_memory=pin)  # fmt: skip
                 data.copy_(seg.param_shard)
                 param = nn.Parameter(data)
-                host_grad = torch.zeros_like(data) if offload else None
+                host_grad = (torch.zeros(seg.shard_numel, dtype=torch.float32, device=home,
+                                         pin_memory=pin) if offload else None)  # fmt: skip
             self.masters.append(_Master(seg, param, alias, host_grad))
 
     def group_params(self, num_groups: int) -> list[list[nn.Parameter]]:
