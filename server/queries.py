@@ -31,6 +31,7 @@ memory.theory.<kind>, memory.rss_peak, memory.reserved, memory.capacity, scalars
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections import defaultdict
@@ -275,7 +276,7 @@ def _pk(conn: Connection, run_id: str) -> tuple[int, int] | None:
 # -- series -------------------------------------------------------------------------------
 
 _KEY = r"[A-Za-z0-9_./:\-]{1,100}"
-_KEY_RE = __import__("re").compile(_KEY)
+_KEY_RE = re.compile(_KEY)
 
 
 def _key(name: str, metric: str) -> str:
