@@ -46,12 +46,18 @@ def screenshot(page, name: str) -> Path:  # type: ignore[no-untyped-def]
 
 @dataclass
 class Seeded:
-    """A live server and the runs it holds."""
+    """A live server and the runs it holds. The real runs train while the first test of the
+    module watches one of them live; `stages` waits for them to end."""
 
     server: object
-    stages: dict[int, str] = field(default_factory=dict)
+    training: object
     xss: str = ""
     failed: str = ""
+
+    @property
+    def stages(self) -> dict[int, str]:
+        """Stage -> run id of the real runs, once they have ended."""
+        return self.training.wait()  # type: ignore[attr-defined,no-any-return]
 
     @property
     def url(self) -> str:
@@ -104,12 +110,11 @@ REAL_RUNS = ((1, FP16), (2, (*FP16, "--offload", "cpu")), (3, FP16))
 REAL_STEPS = 16
 
 
-def seed_runs(server_url: str) -> tuple[dict[int, str], str, str]:
-    """Real instrumented runs of stages 1, 2 and 3 of one model, plus (posted through the
-    ingest API) a run whose name, project, tags and config are markup and a failed run."""
-    from support.dashboard_runs import launch_real_runs, post_simulated_run
+def seed_runs(server_url: str) -> tuple[str, str]:
+    """Post (through the ingest API) a run whose name, project, tags and config are markup,
+    and a failed run; returns their ids."""
+    from support.dashboard_runs import post_simulated_run
 
-    stages = launch_real_runs(server_url, REAL_RUNS, steps=REAL_STEPS)
     xss_spec = sim.SimSpec(name=XSS_NAME, project="<b>markup</b>", tags=("<img src=x onerror=alert(2)>",),
                            world_size=2, stage=1, seed=9)  # fmt: skip
     xss = post_simulated_run(
@@ -118,13 +123,19 @@ def seed_runs(server_url: str) -> tuple[dict[int, str], str, str]:
     )  # fmt: skip
     failed_spec = sim.SimSpec(name="diverged run", project="other", world_size=2, stage=2, seed=4)
     failed = post_simulated_run(server_url, failed_spec, 6, end="failed")
-    return stages, xss, failed
+    return xss, failed
 
 
 @pytest.fixture(scope="module")
-def seeded() -> Iterator[Seeded]:
+def seeded(tmp_path_factory) -> Iterator[Seeded]:  # type: ignore[no-untyped-def]
+    from support.dashboard_runs import start_real_runs
     from support.live_server import LiveServer
 
     with LiveServer(settings={"stalled_after_s": 3600}) as server:
-        stages, xss, failed = seed_runs(server.url)
-        yield Seeded(server=server, stages=stages, xss=xss, failed=failed)
+        training = start_real_runs(server.url, REAL_RUNS, steps=REAL_STEPS,
+                                   log_dir=tmp_path_factory.mktemp("training"))  # fmt: skip
+        try:
+            xss, failed = seed_runs(server.url)
+            yield Seeded(server=server, training=training, xss=xss, failed=failed)
+        finally:
+            training.stop()

@@ -5,7 +5,9 @@ update in place, and data that looks like markup stays text."""
 from __future__ import annotations
 
 import re
+import time
 
+import httpx
 import pytest
 from charts import assert_all_drawn, charts
 from conftest import REAL_STEPS, XSS_NAME, screenshot
@@ -15,6 +17,47 @@ from zerowatch import simulate as sim
 pytestmark = pytest.mark.slow
 
 RUN_CHARTS = {"breakdown", "collectives", "bandwidth", "memory", "training", "ranks"}
+
+
+def test_run_page_follows_a_real_run_live_as_it_trains(seeded, probe):
+    """First in the module: the real runs are still training. The stage-3 run's page, opened
+    after its first steps, takes the next ones and the end of the run in place."""
+    page = probe.page
+    tag = seeded.training.tags[3]
+    deadline = time.monotonic() + 240
+    run = None
+    while time.monotonic() < deadline and run is None:
+        found = httpx.get(f"{seeded.url}/api/v1/runs", params={"tag": tag}, timeout=10).json()
+        if found["runs"] and found["runs"][0]["steps"] >= 1:
+            run = found["runs"][0]
+        time.sleep(0.1)
+    assert run is not None, f"the stage-3 run stored no step: {seeded.training.logs[3]}"
+    page.goto(f"{seeded.url}/runs/{run['run_id']}")
+    assert_all_drawn(page)
+    assert page.locator("#run-status .badge").inner_text() == "running", (
+        "the run ended before its page opened: nothing left to watch"
+    )
+    first = int(page.locator("#stat-steps").inner_text())
+    assert first < REAL_STEPS
+    page.evaluate(
+        "() => { window.__zwKeep = 1; document.getElementById('chart-breakdown').__zwKeep = 1; }"
+    )
+    page.wait_for_function(
+        f"() => +document.getElementById('stat-steps').textContent > {first}", timeout=120_000
+    )
+    page.wait_for_function(
+        "() => document.querySelector('#run-status .badge').textContent === 'finished'",
+        timeout=180_000,
+    )
+    assert page.locator("#stat-steps").inner_text() == str(REAL_STEPS)
+    assert charts(page)["breakdown"]["maxX"] == REAL_STEPS - 1
+    kept = page.evaluate(
+        "() => [window.__zwKeep, document.getElementById('chart-breakdown').__zwKeep]"
+    )
+    assert kept == [1, 1], "the page reloaded or redrew the chart element from scratch"
+    assert_all_drawn(page)
+    screenshot(page, "run-live-finished")
+    assert probe.errors == []
 
 
 def test_runs_page_lists_runs_with_badges_filters_and_compare_selected(seeded, probe):

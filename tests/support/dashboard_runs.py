@@ -2,9 +2,9 @@
 torchrun, 2 gloo ranks on CPU), simulated runs posted to a live server's ingest API, and a big
 simulated run stored fast.
 
-`launch_real_runs(server_url, [(stage, extra_args), ...])` trains the example GPT
-(`zerowatch.examples.train`) once per entry, all at once, each rank instrumented with
-`zerowatch.instrument`, and returns their run ids.
+`start_real_runs(server_url, [(stage, extra_args), ...], log_dir=...)` starts training the
+example GPT (`zerowatch.examples.train`) once per entry, all at once, each rank instrumented
+with `zerowatch.instrument`; `.wait()` returns their run ids once they end.
 
 `post_simulated_run(server_url, spec, steps)` creates a run and posts its events through
 `/api/v1` exactly as an agent would (JSON batches), optionally with each rank's end event.
@@ -25,7 +25,10 @@ import os
 import socket
 import subprocess
 import sys
+import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -44,49 +47,79 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch_real_runs(
+@dataclass
+class RealRuns:
+    """Training runs started by `start_real_runs`, still going until `wait()`."""
+
+    procs: dict[int, subprocess.Popen[bytes]]
+    logs: dict[int, Path]
+    #: A tag unique to each run of this launch (find it with /api/v1/runs?tag=...).
+    tags: dict[int, str]
+    timeout_s: float = 300.0
+    _ids: dict[int, str] | None = None
+
+    def wait(self) -> dict[int, str]:
+        """Wait for every run to end; stage -> run id. Raises with the output of a failure."""
+        if self._ids is not None:
+            return self._ids
+        ids: dict[int, str] = {}
+        failures = []
+        for stage, proc in self.procs.items():
+            try:
+                proc.wait(timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            out = self.logs[stage].read_text(errors="replace")
+            found = [line.split()[1] for line in out.splitlines() if line.startswith("run ")]
+            if proc.returncode != 0 or not found:
+                failures.append(f"stage {stage} exited {proc.returncode}:\n{out[-3000:]}")
+            else:
+                ids[stage] = found[-1]
+        if failures:
+            raise RuntimeError("\n\n".join(failures))
+        self._ids = ids
+        return ids
+
+    def stop(self) -> None:
+        """Kill runs still going (by their pid)."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def start_real_runs(
     server_url: str,
     runs: Sequence[tuple[int, Sequence[str]]],
     *,
     steps: int = 16,
     world_size: int = 2,
     project: str = "zero-stages",
+    log_dir: Path,
     timeout_s: float = 300.0,
-) -> dict[int, str]:
-    """Train the example model once per (stage, extra args), concurrently; stage -> run id.
+) -> RealRuns:
+    """Start training the example model once per (stage, extra args), all at once.
 
     Each run is `torchrun --nproc-per-node world_size -m zerowatch.examples.train` named
-    "tiny-gpt stage N", shipping to `server_url`. Raises with the run's output if one fails.
+    "tiny-gpt stage N", shipping to `server_url`, its output in `log_dir`.
     """
-    procs = {}
+    launch = uuid.uuid4().hex[:8]
+    procs, logs, tags = {}, {}, {}
     for stage, extra in runs:
+        tags[stage] = f"launch-{launch}-stage{stage}"
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
             "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
             "-m", "zerowatch.examples.train", "--stage", str(stage), "--steps", str(steps),
             "--server", server_url, "--name", f"tiny-gpt stage {stage}", "--project", project,
-            "--tag", "real", *extra,
+            "--tag", "real", "--tag", tags[stage], *extra,
         ]  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1", ZEROWATCH_PRINT_RUN="1")
-        procs[stage] = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-        )
-    ids: dict[int, str] = {}
-    failures = []
-    for stage, proc in procs.items():
-        try:
-            out = proc.communicate(timeout=timeout_s)[0].decode(errors="replace")
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out = proc.communicate()[0].decode(errors="replace")
-        found = [line.split()[1] for line in out.splitlines() if line.startswith("run ")]
-        if proc.returncode != 0 or not found:
-            failures.append(f"stage {stage} exited {proc.returncode}:\n{out[-3000:]}")
-        else:
-            ids[stage] = found[-1]
-    if failures:
-        raise RuntimeError("\n\n".join(failures))
-    return ids
+        logs[stage] = log_dir / f"train-stage{stage}.log"
+        with logs[stage].open("wb") as log:
+            procs[stage] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return RealRuns(procs=procs, logs=logs, tags=tags, timeout_s=timeout_s)
 
 
 def post_simulated_run(
