@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -100,15 +100,15 @@ _OPAQUE = ("broadcast_object_list", "all_gather_object", "gather_object", "scatt
 _NAMESPACES = (dist, c10d)
 
 
-def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], spec: _Spec, name: str) -> Any:
-    i = spec.params.index(name)
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str) -> Any:
+    """The argument at position `i` named `name`, given either way (None if absent)."""
     return args[i] if len(args) > i else kwargs.get(name)
 
 
 def _nbytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return int(value.numel()) * int(value.element_size())
-    if isinstance(value, Sequence):
+    if isinstance(value, (list, tuple)):
         return sum(_nbytes(v) for v in value)
     return 0
 
@@ -241,18 +241,20 @@ class _Hub:
 
     def wrap(self, orig: Callable[..., Any], spec: _Spec) -> Callable[..., Any]:
         hub = self
+        i_group, i_async = spec.params.index("group"), spec.params.index("async_op")
+        i_sized = spec.params.index(spec.sized)
 
         def collective(*args: Any, **kwargs: Any) -> Any:
             if _local.depth or not hub.taps:
                 return orig(*args, **kwargs)
             try:
-                group = _arg(args, kwargs, spec, "group")
+                group = _arg(args, kwargs, i_group, "group")
                 world = hub.world(group)
-                nbytes = _nbytes(_arg(args, kwargs, spec, spec.sized))
-                async_op = bool(_arg(args, kwargs, spec, "async_op"))
+                sized = _arg(args, kwargs, i_sized, spec.sized)
+                nbytes = _nbytes(sized)
+                async_op = bool(_arg(args, kwargs, i_async, "async_op"))
                 purpose = hub.classify(spec.op)
-                sized = _arg(args, kwargs, spec, spec.sized)
-                first = sized[0] if isinstance(sized, Sequence) and sized else sized
+                first = sized[0] if isinstance(sized, (list, tuple)) and sized else sized
                 cuda = isinstance(first, torch.Tensor) and first.device.type == "cuda"
             except Exception:
                 hub._error(spec.op)
