@@ -22,13 +22,15 @@ hand-over at close.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from zerowatch.agent.errors import AgentHealth
 
@@ -89,7 +91,7 @@ class Spool:
         self.bytes_on_disk = sum(p.stat().st_size for p in self._segments)
         self._next_index = int(self._segments[-1].stem) + 1 if self._segments else 0
         self._run_create: bytes | None = None
-        self._writer: IO[bytes] | None = None
+        self._writer: Any = None
         self._writer_path: Path | None = None
         self._writer_size = 0
         self._last_fsync = time.monotonic()
@@ -114,13 +116,13 @@ class Spool:
         except OSError as e:
             self._health.error(f"writing the spool's {RUN_FILE} in {self.run_dir}", e)
 
-    def _open_segment(self) -> IO[bytes]:
+    def _open_segment(self) -> Any:
         self.dir.mkdir(parents=True, exist_ok=True)
         if self._run_create is not None:
             self.write_run(self._run_create)
         path = self.dir / f"{self._next_index:08d}{SEGMENT_SUFFIX}"
         self._next_index += 1
-        f = open(path, "ab")  # noqa: SIM115 (kept open across appends)
+        f = open(path, "ab", buffering=0)  # noqa: SIM115 (kept open across appends)
         self._segments.append(path)
         self._writer, self._writer_path, self._writer_size = f, path, 0
         return f
@@ -134,7 +136,7 @@ class Spool:
             os.fsync(f.fileno())
         except OSError:
             pass
-        finally:
+        with contextlib.suppress(OSError):
             f.close()
 
     def append(self, lines: list[bytes], *, final: bool = False) -> int:
@@ -160,9 +162,12 @@ class Spool:
                     if f is None or self._writer_size >= self.segment_bytes:
                         self._close_writer()
                         f = self._open_segment()
-                    f.write(line + b"\n")
+                    data = line + b"\n"
+                    written = f.write(data)  # unbuffered: the disk's answer, per event
+                    if written != len(data):
+                        raise OSError(errno.ENOSPC, f"short write ({written} of {len(data)} bytes)")
                 except OSError as e:
-                    # A half-written line may remain: start a fresh segment next time.
+                    # A torn line may remain (skipped on replay): a fresh segment next time.
                     self._close_writer()
                     self._health.drop(len(lines) - i, f"cannot write the spool in {self.dir}: {e}")
                     break
@@ -221,6 +226,8 @@ class Spool:
                             if not line:
                                 break
                             offset += len(line)
+                            if not line.endswith(b"\n"):
+                                continue  # torn by a failed write (full disk, crash)
                             line = line.strip()
                             if line:
                                 lines.append(line)

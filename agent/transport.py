@@ -198,9 +198,12 @@ class Transport:
             while q and len(lines) < self._batch_max:
                 item = q.popleft()
                 if isinstance(item, ev.EndEvent):
-                    # Everything before it is shipped or spooled first, so its counts are final.
+                    # Everything before it is shipped or spooled first, so its counts are
+                    # final; and the spool is replayed first if the server is back, which
+                    # also frees the disk for the end event when the disk was full.
                     self._ship(lines)
                     lines = []
+                    self._drain_spool()
                     item.dropped_events = self._health.dropped
                     item.agent_errors = self._health.errors
                     line = self._encode(item)

@@ -82,6 +82,11 @@ def through_an_outage(rank: int, world: int, server: str, spool_root: str, flag:
     return {"run_id": run.id, "steps": steps, "stats": run.stats}
 
 
+#: For the fault timing runs: a request to the hanging server blocks this long.
+HTTP_TIMEOUT_S = 3.0
+CLOSE_TIMEOUT_S = 1.0
+
+
 def _timed(engine: Any, run: Any, rank: int, world: int, n: int, start: int) -> list[float]:
     times = []
     for s in range(start, start + n):
@@ -100,7 +105,7 @@ def step_times_under_faults(rank: int, world: int, urls: dict[str, str], spool_r
     _timed(engine, None, rank, world, 3, 0)  # warm-up
     times: dict[str, list[float]] = {"none": [], **{k: [] for k in urls}}
     runs: dict[str, Any] = {}
-    opts = {**FAST, "close_timeout_s": 1.0, "http_timeout_s": 1.0}
+    opts = {**FAST, "close_timeout_s": CLOSE_TIMEOUT_S, "http_timeout_s": HTTP_TIMEOUT_S}
     for name, url in urls.items():
         extra = {"max_spool_bytes": 20_000} if name == "full_spool" else {}
         runs[name] = zerowatch.instrument(engine, server=url, run=name,

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from rank_jobs import step_times_under_faults, through_an_outage
+from rank_jobs import CLOSE_TIMEOUT_S, HTTP_TIMEOUT_S, step_times_under_faults, through_an_outage
 from support.engine_harness import run_ranks
 from support.live_server import LiveServer
 from zerowatch.agent.upload import upload_spool
@@ -81,15 +81,18 @@ def test_500s_hangs_and_a_full_spool_cost_training_nothing(tmp_path, fake_server
         for rank, res in enumerate(results):
             base = res["median"]["none"]
             for name in urls:
-                # A request takes up to 1 s against the hanging server and its retries over
-                # 3 s: had training waited on one, a step would show it.
-                assert res["max"][name] < 0.5, (
+                # One request to the hanging server takes 3 s (HTTP_TIMEOUT_S), its retries
+                # longer: a step that had waited on one would show it. (Scheduling noise on
+                # a loaded 2-core machine reaches ~1 s.)
+                assert res["max"][name] < 2.0, (
                     f"rank {rank}, {name}: a step took {res['max'][name]:.2f} s"
                 )
                 ratio = res["median"][name] / base
                 # On a shared 2-core machine, medians of 24 steps move by ~20% on their own.
                 assert ratio < 1.3, f"rank {rank}, {name}: median step {ratio:.2f}x the baseline"
-            assert res["close_s"] < 3 * (1.0 + 1.0 + 1.0) + 2  # close is bounded, even hanging
+            # close() is bounded even against the hanging server: per run, its timeout plus
+            # at most one request in flight.
+            assert res["close_s"] < len(urls) * (CLOSE_TIMEOUT_S + HTTP_TIMEOUT_S + 1) + 2
             assert res["stats"]["full_spool"]["dropped_events"] > 0
             for name in ("error_500", "hang"):
                 assert res["stats"][name]["dropped_events"] == 0

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import socket
 import statistics
+import subprocess
 import time
 
+import pytest
 from zerowatch.agent.upload import upload_spool
 
 import zerowatch
@@ -230,3 +232,37 @@ def test_a_server_that_lost_the_run_gets_it_created_again(fake_engine, fake_serv
     assert [e["step"] for e in server.steps()] == list(range(6))
     assert [r["run_id"] for r in server.runs] == [run.id]
     assert run.stats["dropped_events"] == 0
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 64 KiB tmpfs: writes past it fail with ENOSPC, like a full disk (needs root)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip(
+            f"cannot mount a tmpfs here ({done.stderr.strip()}); the spool bound test covers drops"
+        )
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_full_disk_loses_events_not_training_and_reports_the_loss(
+    fake_engine, fake_server, full_disk
+):
+    server = fake_server("500")  # unreachable during training: everything goes to the spool
+    run = zerowatch.instrument(fake_engine, server=server.url, spool_dir=full_disk, **FAST)
+    times = step_times(fake_engine, run, 100)
+    assert max(times) < 0.1
+    assert wait_for(lambda: run.stats["dropped_events"] > 0)  # ENOSPC, not the spool bound
+    server.mode = "ok"  # back before the end: the spool is replayed, then the end event sent
+    run.close()
+    dropped = run.stats["dropped_events"]
+    steps = server.steps()
+    assert 0 < dropped < 100 and len(steps) == 100 - dropped
+    stored = [e["step"] for e in steps]
+    assert stored == sorted(set(stored))  # in order, each once; those lost are just absent
+    end = server.events[(0, 100)]
+    assert end["kind"] == "end" and end["dropped_events"] == dropped
