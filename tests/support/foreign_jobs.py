@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from support.ports import free_port
 
 #: ProcessGroup method -> (zerowatch op, index of the argument that is the nccl-tests size).
 _PG_METHODS: dict[str, tuple[str, int]] = {
@@ -108,12 +109,6 @@ def _hooks(model: Any, opt: Any) -> list[int]:
     return [len(model._forward_pre_hooks), len(model._forward_hooks),
             len(model._backward_pre_hooks), len(opt._optimizer_step_pre_hooks),
             len(opt._optimizer_step_post_hooks)]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _join(rank: int, world: int, port: int) -> None:
@@ -386,7 +381,6 @@ __all__ = [
     "DEEPSPEED_CONFIGS",
     "ProcessGroupCounter",
     "deepspeed_worker",
-    "free_port",
     "fsdp2_worker",
     "mlp",
     "run_job",
