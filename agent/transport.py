@@ -174,6 +174,10 @@ class Transport:
             self._loop()
         except Exception as e:  # the shipper must not die silently with events in hand
             self._health.error("the shipper thread", e)
+            with contextlib.suppress(Exception):  # keep what is queued, as far as possible
+                lines = [line for line in map(self._encode, list(self._q)) if line is not None]
+                self._q.clear()
+                self.stats.spooled += self.spool.append(lines, final=True)
         finally:
             self.stats.online = not self._offline
             self.spool.close()
