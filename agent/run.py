@@ -94,8 +94,9 @@ class Run:
         clean = {str(k): _as_number(k, v) for k, v in scalars.items()}
         if self.closed:
             return
-        for key, value in clean.items():
-            if not math.isfinite(value) and key != "loss":
+        for key, value in list(clean.items()):
+            if not math.isfinite(value) and key != "loss":  # a non-finite loss flags the step
+                del clean[key]
                 self._health.warn_once(
                     f"nonfinite:{key}",
                     "zerowatch: run.log(%s=%r): non-finite values are not stored",

@@ -92,7 +92,7 @@ def test_log_during_a_step_and_after_it_land_on_that_step(fake_engine, spool_roo
 def test_nonfinite_loss_and_grad_norm_are_flagged_not_sent(fake_engine, spool_root):
     with zerowatch.instrument(fake_engine, spool_dir=spool_root) as run:
         fake_engine.train_step()
-        run.log(loss=float("nan"))
+        run.log(loss=float("nan"), tokens=float("inf"), other=float("nan"))
         fake_engine.last_step.grad_norm = float("inf")
         fake_engine.train_step()
         fake_engine.last_step.grad_norm = 2.0
@@ -100,6 +100,7 @@ def test_nonfinite_loss_and_grad_norm_are_flagged_not_sent(fake_engine, spool_ro
         run.log(loss=1.0)
     s0, s1, s2 = (e for e in spooled(run) if e["kind"] == "step")
     assert s0["nonfinite"] and s0["loss"] is None and s0["grad_norm"] is None
+    assert s0["tokens"] == 0 and s0["scalars"] == {}
     assert s1["nonfinite"] and s1["grad_norm"] is None
     assert not s2["nonfinite"] and s2["grad_norm"] == 2.0 and s2["loss"] == 1.0
 
