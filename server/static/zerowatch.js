@@ -79,36 +79,42 @@
     dot.className = "live-dot";
     dot.title = "live: updates every few seconds";
     if (badge) badge.parentNode.appendChild(dot);
-    var timer = null;
+    // One request at a time: the next poll is scheduled when the answer is in, so a slow
+    // answer can never land after a newer one (and, say, turn "finished" back to "running").
+    var every = parseInt(body.getAttribute("data-poll-ms") || "3000", 10);
+    var done = false;
+    function handle(msg) {
+      if (!msg) return;
+      if (msg.figures && Object.keys(msg.figures).length) {
+        if (!document.getElementById("chart-" + Object.keys(msg.figures)[0])) {
+          done = true;
+          window.location.reload();  // first steps of an empty run: the layout changes
+          return;
+        }
+        draw(msg.figures, true);
+        refine(msg.refine);
+      }
+      lastStep = msg.last_step;
+      var s = msg.summary || {};
+      Object.keys(s).forEach(function (k) { setText("stat-" + k, s[k]); });
+      if (badge && msg.status) {
+        badge.textContent = msg.status;
+        badge.className = "badge badge-" + msg.status;
+        if (msg.status_color) badge.style.setProperty("--badge", msg.status_color);
+      }
+      if (msg.status !== "running" && msg.status !== "stalled") {
+        done = true;
+        dot.remove();
+      }
+    }
     function poll() {
       fetch(url + "?since=" + lastStep, { headers: { Accept: "application/json" } })
         .then(function (r) { return r.ok ? r.json() : null; })
-        .then(function (msg) {
-          if (!msg) return;
-          if (msg.figures && Object.keys(msg.figures).length) {
-            if (!document.getElementById("chart-" + Object.keys(msg.figures)[0])) {
-              window.location.reload();  // first steps of an empty run: the layout changes
-              return;
-            }
-            draw(msg.figures, true);
-            refine(msg.refine);
-          }
-          lastStep = msg.last_step;
-          var s = msg.summary || {};
-          Object.keys(s).forEach(function (k) { setText("stat-" + k, s[k]); });
-          if (badge && msg.status) {
-            badge.textContent = msg.status;
-            badge.className = "badge badge-" + msg.status;
-            if (msg.status_color) badge.style.setProperty("--badge", msg.status_color);
-          }
-          if (msg.status !== "running" && msg.status !== "stalled") {
-            clearInterval(timer);
-            dot.remove();
-          }
-        })
-        .catch(function () { /* the next poll retries */ });
+        .then(handle)
+        .catch(function () { /* the next poll retries */ })
+        .then(function () { if (!done) setTimeout(poll, every); });
     }
-    timer = setInterval(poll, parseInt(body.getAttribute("data-poll-ms") || "3000", 10));
+    setTimeout(poll, every);
   }
 
   function compareSelection() {
