@@ -7,10 +7,13 @@ without `zerowatch.instrument`, interleaved in one run, per ZeRO stage.
 For each stage every rank builds one engine (a small GPT) and one instrumented run shipping
 to a real `zerowatch serve` on 127.0.0.1. Then, `--repeats` times, it trains `--steps`
 steps with the agent detached from the engine and `--steps` with it attached (the order
-alternates between repeats, so drift hits both alike), timing every step. It prints, per
-stage, the median step time of each and their ratio (the goal: at most 1.01 at stage 3),
-and what the agent holds in memory: the events in its bounded queue (peak and bound) and
-the size of one event.
+alternates between repeats, so drift hits both alike), timing every step by wall clock,
+by the process's CPU time over all threads (the agent's shipper thread included) and by
+the training thread's own CPU time ("loop"). It prints, per stage, the median step time
+with and without the agent and the three ratios (the goal: at most 1.01 at stage 3), and
+what the agent holds in memory: the events in its bounded queue (peak and bound) and the
+size of one event. On a machine shared with other work the wall clock carries the noise
+of being descheduled; the CPU times do not.
 
 Attaching and detaching one run keeps start-up (the run-id broadcast, the shipper thread)
 out of the figures; the shipper keeps working between blocks, so shipping a block's events
@@ -40,6 +43,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 WORLD = 2
+#: What each step is timed by: wall clock, the process's CPU time over all its threads (the
+#: agent's shipper included), the training thread's own CPU time.
+KINDS = ("wall", "cpu", "loop")
 
 
 def free_port() -> int:
@@ -108,10 +114,11 @@ def measure_stage(rank: int, stage: int, args: argparse.Namespace, server: str |
     engine.remove_observer(recorder)
     x, y = random_batch(cfg, args.micro_batch, seed=rank)
 
-    def steps(n: int, with_agent: bool) -> list[float]:
+    def steps(n: int, with_agent: bool) -> list[tuple[float, float, float]]:
+        """(wall, process CPU over all threads, training-thread CPU) seconds per step."""
         times = []
         for _ in range(n):
-            t0 = time.perf_counter()
+            t0, c0, l0 = time.perf_counter(), time.process_time(), time.thread_time()
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
@@ -119,12 +126,13 @@ def measure_stage(rank: int, stage: int, args: argparse.Namespace, server: str |
                 run.log(loss=loss.item(), tokens=x.numel())
             else:
                 loss.item()
-            times.append(time.perf_counter() - t0)
+            times.append((time.perf_counter() - t0, time.process_time() - c0,
+                          time.thread_time() - l0))  # fmt: skip
         return times
 
     steps(3, False)  # warm-up
-    plain: list[float] = []
-    agent: list[float] = []
+    plain: list[tuple[float, float, float]] = []
+    agent: list[tuple[float, float, float]] = []
     for r in range(args.repeats):
         for with_agent in (False, True) if r % 2 == 0 else (True, False):
             if with_agent:
@@ -143,8 +151,8 @@ def measure_stage(rank: int, stage: int, args: argparse.Namespace, server: str |
         event_bytes = (tracemalloc.get_traced_memory()[0] - before) // len(copies)
         tracemalloc.stop()
     return {
-        "plain": statistics.median(plain),
-        "agent": statistics.median(agent),
+        **{f"plain_{k}": statistics.median(t[i] for t in plain) for i, k in enumerate(KINDS)},
+        **{f"agent_{k}": statistics.median(t[i] for t in agent) for i, k in enumerate(KINDS)},
         "stats": run.stats,
         "event_bytes": event_bytes,
         "queue_size": run.config.queue_size,
@@ -202,19 +210,25 @@ def main() -> None:
           f"seq={args.seq} micro-batch={args.micro_batch}, {args.repeats} repeats x "
           f"{args.steps} steps per variant, {'no server (spool)' if args.no_server else 'server on 127.0.0.1'}, "
           f"{wall:.0f} s")  # fmt: skip
-    print(f"{'stage':>5}  {'plain ms':>9}  {'agent ms':>9}  {'ratio':>6}  {'event KiB':>9}  "
-          f"{'queue peak':>10}  {'queue bound MiB':>15}  {'sent':>5}  {'dropped':>7}")  # fmt: skip
+    print(f"{'stage':>5}  {'plain ms':>9}  {'agent ms':>9}  {'wall':>6}  {'CPU ms':>7}  "
+          f"{'CPU':>6}  {'loop':>6}  {'event KiB':>9}  {'queue peak':>10}  "
+          f"{'queue bound MiB':>15}  {'sent':>5}  {'dropped':>7}")  # fmt: skip
     for stage in args.stages:
         per_rank = [r[stage] for r in ranks]
-        plain = statistics.median(r["plain"] for r in per_rank)
-        agent = statistics.median(r["agent"] for r in per_rank)
+
+        def med(key: str, rows: list[dict[str, Any]] = per_rank) -> float:
+            return statistics.median(r[key] for r in rows)
+
+        ratio = {k: med(f"agent_{k}") / med(f"plain_{k}") for k in KINDS}
         event = max(r["event_bytes"] for r in per_rank)
         peak = max(r["stats"]["queue_peak"] for r in per_rank)
         bound = per_rank[0]["queue_size"] * event / 2**20
         sent = sum(r["stats"]["sent"] for r in per_rank)
         dropped = sum(r["stats"]["dropped_events"] for r in per_rank)
-        print(f"{stage:>5}  {plain * 1e3:>9.2f}  {agent * 1e3:>9.2f}  {agent / plain:>6.3f}  "
-              f"{event / 1024:>9.1f}  {peak:>10}  {bound:>15.1f}  {sent:>5}  {dropped:>7}")  # fmt: skip
+        print(f"{stage:>5}  {med('plain_wall') * 1e3:>9.2f}  {med('agent_wall') * 1e3:>9.2f}  "
+              f"{ratio['wall']:>6.3f}  {med('plain_cpu') * 1e3:>7.2f}  {ratio['cpu']:>6.3f}  "
+              f"{ratio['loop']:>6.3f}  {event / 1024:>9.1f}  {peak:>10}  {bound:>15.1f}  "
+              f"{sent:>5}  {dropped:>7}")  # fmt: skip
 
 
 if __name__ == "__main__":
