@@ -504,9 +504,15 @@ def metrics_catalog(*, db: Database, run_id: str) -> dict[str, Any] | None:
                     if _KEY_RE.fullmatch(k)
                 )
             c = m.collectives
-            ops = conn.execute(
-                select(c.c.op).where(c.c.run == pk, c.c.step >= last - 2).distinct()
-            ).scalars()
+            ops = [  # one indexed probe of (run, op, step) per op
+                op
+                for op in ev.COLLECTIVE_OPS
+                if conn.execute(
+                    select(c.c.step)
+                    .where(c.c.run == pk, c.c.op == op, c.c.step >= last - 2)
+                    .limit(1)
+                ).first()
+            ]
             for op in sorted(ops):
                 names.extend((f"collective.{op}.{f}", "collective") for f in COLLECTIVE_FIELDS)
     return {
@@ -642,6 +648,22 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _newest_memory(conn: Connection, pk: int, *, last: int, lo: int) -> dict[int, Any]:
+    """Each rank's newest memory record in [lo, last]: the newest 10 steps first (memory
+    records are the widest column), the whole window only if those hold none."""
+    s = m.steps.c
+    newest: dict[int, Any] = {}
+    for start in (max(lo, last - 9), lo):
+        for r in conn.execute(
+            select(s.rank, s.step, s.memory).where(s.run == pk, s.step >= start, s.step <= last)
+        ):
+            if r.memory and (r.rank not in newest or r.step > newest[r.rank].step):
+                newest[r.rank] = r
+        if newest or start == lo:
+            break
+    return newest
+
+
 def _compare_one(conn: Connection, row: Any, *, metrics: list[str], window: int) -> dict[str, Any]:
     pk, world = row.id, max(row.world_size, 1)
     s = m.steps.c
@@ -685,23 +707,21 @@ def _compare_one(conn: Connection, row: Any, *, metrics: list[str], window: int)
     w = max(1, min(window, 20000 // world))
     lo = int(last) - w + 1
     rows = conn.execute(
-        select(
-            s.rank, s.step, s.step_time_s, s.exposed_comm_s, s.phases, s.samples_per_s, s.memory
-        ).where(s.run == pk, s.step >= lo)
+        select(s.rank, s.step, s.step_time_s, s.exposed_comm_s, s.phases, s.samples_per_s).where(
+            s.run == pk, s.step >= lo
+        )
     ).all()
     out["steps_compared"] = len({r.step for r in rows})
     out["step_time_s"] = _median([r.step_time_s for r in rows])
     out["exposed_comm_s"] = _median([r.exposed_comm_s for r in rows])
     phase_vals: dict[str, list[float]] = defaultdict(list)
     sps: dict[int, list[float]] = defaultdict(list)
-    newest: dict[int, Any] = {}
     for r in rows:
         for p, v in (r.phases or {}).items():
             phase_vals[p].append(v)
         if r.samples_per_s is not None:
             sps[r.rank].append(r.samples_per_s)
-        if r.memory and (r.rank not in newest or r.step > newest[r.rank].step):
-            newest[r.rank] = r
+    newest = _newest_memory(conn, pk, last=int(last), lo=lo)
     out["phases_s"] = {
         p: _median(v)
         for p, v in sorted(
@@ -723,15 +743,17 @@ def _compare_one(conn: Connection, row: Any, *, metrics: list[str], window: int)
     )
     out["memory_peak_bytes"] = max(peaks) if peaks else None
     c = m.collectives.c
-    per = conn.execute(
-        select(c.op, c.rank, c.step, func.sum(c.bytes).label("b"))
-        .where(c.run == pk, c.step >= lo)
-        .group_by(c.op, c.rank, c.step)
-    ).all()
     by_op: dict[str, list[float]] = defaultdict(list)
-    for r in per:
-        by_op[r.op].append(float(r.b))
-    out["comm_bytes_per_step"]["measured"] = {op: _median(v) for op, v in sorted(by_op.items())}
+    for op in ev.COLLECTIVE_OPS:  # one indexed range read of (run, op, step) per op
+        per = conn.execute(
+            select(func.sum(c.bytes))
+            .where(c.run == pk, c.op == op, c.step >= lo)
+            .group_by(c.rank, c.step)
+        ).scalars()
+        by_op[op].extend(float(b) for b in per)
+    out["comm_bytes_per_step"]["measured"] = {
+        op: _median(v) for op, v in sorted(by_op.items()) if v
+    }
     for metric in metrics:
         mrows = _series_rows(conn, pk, metric, rank=None, step_from=lo, step_to=None)
         out["metrics"][metric] = _median([float(r.v) for r in mrows if r.v is not None])
@@ -915,17 +937,25 @@ def latest_steps(*, db: Database, run_id: str) -> list[ev.StepEvent]:
             return []
         pk = ref[0]
         s, rs, c = m.steps, m.rank_states, m.collectives
-        rows = conn.execute(
-            select(s)
-            .join(rs, and_(rs.c.run == s.c.run, rs.c.rank == s.c.rank, rs.c.last_step == s.c.step))
-            .where(s.c.run == pk)
-        ).all()
+        last = {
+            r.rank: r.last_step
+            for r in conn.execute(
+                select(rs.c.rank, rs.c.last_step).where(rs.c.run == pk, rs.c.last_step.is_not(None))
+            )
+        }
+        # Read by step through the (run, step) indexes: the ranks' last steps are few values.
+        wanted = sorted(set(last.values()))
+        rows = [
+            r
+            for r in conn.execute(select(s).where(s.c.run == pk, s.c.step.in_(wanted))).all()
+            if last.get(r.rank) == r.step
+        ]
         colls: dict[tuple[int, int], list[ev.CollectiveStats]] = defaultdict(list)
         for r in conn.execute(
-            select(c)
-            .join(rs, and_(rs.c.run == c.c.run, rs.c.rank == c.c.rank, rs.c.last_step == c.c.step))
-            .where(c.c.run == pk)
+            select(c).where(c.c.run == pk, c.c.op.in_(ev.COLLECTIVE_OPS), c.c.step.in_(wanted))
         ).all():
+            if last.get(r.rank) != r.step:
+                continue
             colls[(r.rank, r.seq)].append(
                 ev.CollectiveStats(
                     op=r.op,
