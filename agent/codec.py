@@ -50,7 +50,8 @@ def batch_body(run_id: str, event_lines: list[bytes]) -> bytes:
         json.dumps(run_id).encode(),
     )
     raw = head + b",".join(event_lines) + b"]}"
-    return gzip.compress(raw, compresslevel=5)
+    # Level 1: a third of level 5's CPU (it runs beside training) for ~20% more bytes.
+    return gzip.compress(raw, compresslevel=1)
 
 
 __all__ = ["batch_body", "dumps", "to_dict"]
