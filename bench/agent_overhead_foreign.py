@@ -11,7 +11,9 @@ rank builds the engine (DeepSpeed from `deepspeed.initialize`, or a small GPT wi
 a real `zerowatch serve` on 127.0.0.1. Then, `--repeats` times, it trains `--steps` steps
 with the adapter detached and `--steps` with it attached (the order alternates between
 repeats), timing every step (wall clock, and the rank's CPU time over all its threads),
-and prints the median step time of each and their ratio (the goal: at most 1.01). On a
+and prints the median step time of each and their ratio (the goal: at most 1.01), plus
+the CPU-time ratio of the training thread alone ("loop": hooks and wrappers, without the
+agent's shipper thread). On a
 machine shared with other work the wall-clock ratio carries the noise of being
 descheduled; the CPU-time ratio does not, and still counts the agent's shipper thread.
 
@@ -57,17 +59,18 @@ def _time_blocks(args: argparse.Namespace, one_step: Any, attach: Any, detach: A
     interleaved. CPU time (all threads of the rank, the agent's shipper included) is the
     steadier figure on a shared machine: being descheduled costs wall time, not CPU time."""
 
-    def steps(n: int, wall: list[float], cpu: list[float]) -> None:
+    def steps(n: int, wall: list[float], cpu: list[float], thread: list[float]) -> None:
         for _ in range(n):
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
             one_step()
             wall.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
+            thread.append(time.thread_time() - h0)
 
     detach()
-    steps(3, [], [])  # warm-up
-    plain: tuple[list[float], list[float]] = ([], [])
-    agent: tuple[list[float], list[float]] = ([], [])
+    steps(3, [], [], [])  # warm-up
+    plain: tuple[list[float], list[float], list[float]] = ([], [], [])
+    agent: tuple[list[float], list[float], list[float]] = ([], [], [])
     for r in range(args.repeats):
         for with_agent in (False, True) if r % 2 == 0 else (True, False):
             if with_agent:
@@ -78,8 +81,9 @@ def _time_blocks(args: argparse.Namespace, one_step: Any, attach: Any, detach: A
                 steps(args.steps, *plain)
     attach()
     return {"plain": statistics.median(plain[0]), "agent": statistics.median(agent[0]),
-            "plain_cpu": statistics.median(plain[1]),
-            "agent_cpu": statistics.median(agent[1])}  # fmt: skip
+            "plain_cpu": statistics.median(plain[1]), "agent_cpu": statistics.median(agent[1]),
+            "plain_thread": statistics.median(plain[2]),
+            "agent_thread": statistics.median(agent[2])}  # fmt: skip
 
 
 def _deepspeed_job(model: Any, variant: str, args: argparse.Namespace, server: str | None,
@@ -253,19 +257,20 @@ def main() -> None:
     print(f"zerowatch's cost per collective call (wrapper + aggregation, no-op collective): "
           f"{wrapper_cost_us():.1f} us")  # fmt: skip
     header = (f"{'engine':<15}  {'plain ms':>9}  {'agent ms':>9}  {'ratio':>6}  "
-              f"{'plain cpu ms':>12}  {'agent cpu ms':>12}  {'cpu ratio':>9}  {'sent':>5}  "
-              f"{'dropped':>7}")  # fmt: skip
+              f"{'plain cpu ms':>12}  {'agent cpu ms':>12}  {'cpu ratio':>9}  "
+              f"{'loop cpu ratio':>14}  {'sent':>5}  {'dropped':>7}")  # fmt: skip
     print(header)
     for name in ranks[0]:
         per_rank = [r[name] for r in ranks]
         med = {k: statistics.median(r[k] for r in per_rank)
-               for k in ("plain", "agent", "plain_cpu", "agent_cpu")}  # fmt: skip
+               for k in ("plain", "agent", "plain_cpu", "agent_cpu", "plain_thread",
+                         "agent_thread")}  # fmt: skip
         sent = sum(int(r.get("sent", 0)) for r in per_rank)
         dropped = sum(int(r.get("dropped_events", 0)) for r in per_rank)
         print(f"{name:<15}  {med['plain'] * 1e3:>9.2f}  {med['agent'] * 1e3:>9.2f}  "
               f"{med['agent'] / med['plain']:>6.3f}  {med['plain_cpu'] * 1e3:>12.2f}  "
               f"{med['agent_cpu'] * 1e3:>12.2f}  {med['agent_cpu'] / med['plain_cpu']:>9.3f}  "
-              f"{sent:>5}  {dropped:>7}")  # fmt: skip
+              f"{med['agent_thread'] / med['plain_thread']:>14.3f}  {sent:>5}  {dropped:>7}")  # fmt: skip
 
 
 if __name__ == "__main__":
