@@ -46,6 +46,8 @@ from zerowatch.agent.probes import (
 from zerowatch import events as ev
 
 _TOP = frozenset(TOP_LEVEL)
+#: Ended steps whose CUDA timings are not in yet, kept at most.
+_MAX_WAITING = 256
 
 
 @dataclass
@@ -244,6 +246,10 @@ class StepRecorder:
         self._emit_ready()
 
     def _emit_ready(self, *, force: bool = False) -> None:
+        if len(self._waiting) > _MAX_WAITING:  # a device that never finishes: stay bounded
+            n = len(self._waiting) - _MAX_WAITING
+            del self._waiting[:n]
+            self._health.drop(n, "step timings never completed on the device")
         while self._waiting:
             draft = self._waiting[0]
             if not force and not draft.ready(self._clock):
