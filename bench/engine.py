@@ -265,6 +265,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_fi
                 traceback.print_exc()
         dist.barrier()
     times: dict[str, list[float]] = {n: [] for n in trainers}
+    cpu: dict[str, list[float]] = {n: [] for n in trainers}
     batches = [random_batch(cfg, args.micro_batch * world, seed=s) for s in range(args.steps + 1)]
     lo, hi = rank * args.micro_batch, (rank + 1) * args.micro_batch
     for rep in range(args.repeats):
@@ -274,16 +275,18 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_fi
             trainer = trainers[name]
             for i, (x, y) in enumerate(batches):
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 trainer.step(x[lo:hi], y[lo:hi])
+                c1 = time.process_time()
                 dist.barrier()
                 if i > 0:  # the first step of each turn is a warm-up
                     times[name].append(time.perf_counter() - t0)
+                    cpu[name].append(c1 - c0)
         if rank == 0:
             print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
     memory = {name: held_bytes(*t.roots) for name, t in trainers.items()}
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, {"times": times, "memory": memory})
+    dist.all_gather_object(gathered, {"times": times, "cpu": cpu, "memory": memory})
     if rank == 0:
         result = {"config": vars(args), "params": sum(p.numel() for p in _model(cfg).parameters()),
                   "ranks": gathered, "errors": errors}  # fmt: skip
@@ -294,16 +297,22 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_fi
 def table(result: dict[str, Any]) -> str:
     r0 = result["ranks"][0]
     med = {n: statistics.median(ts) * 1e3 for n, ts in r0["times"].items() if ts}
+    # CPU time of the busier rank (all its threads): robust to being descheduled.
+    cpu = {n: max(statistics.median(r["cpu"][n]) for r in result["ranks"]) * 1e3 for n in med}
     mem = {n: max(r["memory"][n] for r in result["ranks"]) for n in r0["memory"]}
-    base_t, base_m = med.get("torch DDP"), mem.get("torch DDP")
-    lines = ["| contender | step time (ms, median) | × DDP | model state per rank (MB) | × DDP |",
-             "|---|---:|---:|---:|---:|"]  # fmt: skip
-    for name in med:
-        rt = f"{med[name] / base_t:.2f}" if base_t else "–"
-        rm = f"{mem[name] / base_m:.2f}" if base_m else "–"
-        lines.append(f"| {name} | {med[name]:.1f} | {rt} | {mem[name] / 2**20:.1f} | {rm} |")
+    base_t, base_c, base_m = (d.get("torch DDP") for d in (med, cpu, mem))
+
+    def ratio(v: float, base: float | None) -> str:
+        return f"{v / base:.2f}" if base else "–"
+
+    lines = ["| contender | step ms (median) | × DDP | CPU ms per step | × DDP "
+             "| model state per rank (MiB) | × DDP |",
+             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for n in med:
+        lines.append(f"| {n} | {med[n]:.1f} | {ratio(med[n], base_t)} | {cpu[n]:.1f} | "
+                     f"{ratio(cpu[n], base_c)} | {mem[n] / 2**20:.1f} | {ratio(mem[n], base_m)} |")  # fmt: skip
     for name, err in result["errors"].items():
-        lines.append(f"| {name} | did not run: {err} | | | |")
+        lines.append(f"| {name} | did not run: {err} | | | | | |")
     return "\n".join(lines)
 
 
