@@ -254,7 +254,8 @@ def bench_ingest(
 
 def fill(db_url: str, *, ranks: int, points: int) -> str:
     """Write a run of `points` rank-steps through the store (cheap events: templates per
-    rank with the step fields varied); returns its run id."""
+    rank with the step fields varied, memory records every 10th step as the agent sends
+    them); returns its run id."""
     from zerowatch.server import store
     from zerowatch.server.db import Database
 
@@ -281,6 +282,7 @@ def fill(db_url: str, *, ranks: int, points: int) -> str:
                     time=t0 + s,
                     step_time_s=total,
                     grad_norm=(50.0 if s == steps // 3 else rng.uniform(0.8, 1.2)),
+                    memory=tpl.memory if s % 10 == 0 else None,  # the agent's memory_every=10
                     phases={k: v * total / tpl.step_time_s for k, v in tpl.phases.items()},
                 )
             )

@@ -317,6 +317,12 @@ class _Statements:
             },
         )
         newest = bindparam("newest", type_=Float)
+        if dialect == "postgresql":
+            # psycopg's executemany sends one statement per row; with RETURNING, SQLAlchemy
+            # batches the rows into multi-row VALUES statements instead ("insertmanyvalues").
+            self.collectives = self.collectives.returning(m.collectives.c.rank)
+            self.spans = self.spans.returning(m.spans.c.rank)
+            self.ranks = self.ranks.returning(m.rank_states.c.rank)
         self.touch = (
             update(m.runs)
             .where(m.runs.c.id == bindparam("pk"))
