@@ -302,13 +302,13 @@ class _Statements:
             .on_conflict_do_nothing(index_elements=["run", "rank", "seq"])
             .returning(m.steps.c.rank, m.steps.c.seq)
         )
-        self.collectives = ins(m.collectives).on_conflict_do_nothing(
+        self.collectives: Any = ins(m.collectives).on_conflict_do_nothing(
             index_elements=["run", "rank", "seq", "op", "purpose"]
         )
-        self.spans = ins(m.spans).on_conflict_do_nothing(index_elements=["run", "rank", "seq"])
+        self.spans: Any = ins(m.spans).on_conflict_do_nothing(index_elements=["run", "rank", "seq"])
         rs = m.rank_states
         up = ins(rs)
-        self.ranks = up.on_conflict_do_update(
+        self.ranks: Any = up.on_conflict_do_update(
             index_elements=["run", "rank"],
             set_={
                 "steps": rs.c.steps + up.excluded.steps,
