@@ -359,7 +359,9 @@ def main() -> None:
     ap.add_argument("--backends", default="sqlite,postgresql")
     ap.add_argument("--ranks", type=int, default=512, help="ranks of the ingest run")
     ap.add_argument("--steps", type=int, default=12, help="steps per rank in the ingest run")
-    ap.add_argument("--events-per-request", type=int, default=16)
+    ap.add_argument(
+        "--events-per-request", default="1,16,64", help="batch sizes to measure, comma-separated"
+    )
     ap.add_argument("--clients", type=int, default=2, help="agent processes")
     ap.add_argument("--threads", type=int, default=8, help="connections per agent process")
     ap.add_argument("--points", type=int, default=1_000_000, help="rank-steps of the query run")
@@ -392,7 +394,7 @@ def ingest_table(db_url: str, args: argparse.Namespace) -> None:
             "| events/request | requests | rank-steps | wall s | rank-steps/s | p50 ms | p99 ms |"
         )
         print("|---|---|---|---|---|---|---|")
-        for per in sorted({1, args.events_per_request}):
+        for per in sorted({int(x) for x in args.events_per_request.split(",")}):
             steps = args.steps if per > 1 else max(2, args.steps // 4)
             r = bench_ingest(
                 url,
