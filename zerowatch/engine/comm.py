@@ -168,7 +168,7 @@ class Comm:
         self.rank = dist.get_rank(group) if self.enabled else 0
         self.world_size = dist.get_world_size(group) if self.enabled else 1
         self.ring = (
-            _Ring(self) if self.enabled and self.world_size > 1 and _use_ring(group) else None
+            _ring_for(self) if self.enabled and self.world_size > 1 and _use_ring(group) else None
         )
 
     # -- reporting -------------------------------------------------------------------------
@@ -299,6 +299,19 @@ class _RingWork:
         return self._fut
 
 
+_RINGS: dict[int, _Ring] = {}
+
+
+def _ring_for(comm: Comm) -> _Ring:
+    """One ring (one worker thread, one tag sequence) per process group, shared by every
+    engine of the process, so two engines never reuse each other's message tags."""
+    pg = comm.group if comm.group is not None else dist.group.WORLD
+    ring = _RINGS.get(id(pg))
+    if ring is None or ring.pg is not pg:
+        ring = _RINGS[id(pg)] = _Ring(comm, pg)
+    return ring
+
+
 class _Ring:
     """Ring reduce-scatter / all-gather over gloo send/recv (N-1 steps of 1/N each).
 
@@ -306,17 +319,21 @@ class _Ring:
     rank runs them in the same order and each can overlap the training thread's compute.
     """
 
-    def __init__(self, comm: Comm) -> None:
+    def __init__(self, comm: Comm, pg: Any) -> None:
+        self.pg = pg
         n, r, g = comm.world_size, comm.rank, comm.group
         self.n, self.r, self.group = n, r, g
         ranks = [dist.get_global_rank(g, i) if g is not None else i for i in range(n)]
         self.next, self.prev = ranks[(r + 1) % n], ranks[(r - 1) % n]
         self.seq = 0
+        self.lock = threading.Lock()
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerowatch-ring")
 
     def submit(self, fn: Callable[..., None], *args: Any) -> _RingWork:
-        self.seq += 1
-        return _RingWork(self.pool.submit(fn, *args, (self.seq % (1 << 20)) * 64))
+        with self.lock:
+            self.seq += 1
+            tag = (self.seq % (1 << 20)) * 64
+        return _RingWork(self.pool.submit(fn, *args, tag))
 
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> None:
         reqs = [dist.isend(send, self.next, group=self.group, tag=tag),
