@@ -99,6 +99,32 @@ def _warm_live_cache(db: Database, live: LiveCache, settings: Settings) -> None:
             )
 
 
+def _install_docs(app: FastAPI) -> None:
+    """/docs from the installed Swagger UI bundle (no CDN: the server may have no internet).
+
+    Without the `swagger-ui-bundle-v2` package, /docs falls back to FastAPI's page, which
+    loads Swagger UI from a CDN; /openapi.json works either way.
+    """
+    try:
+        from swagger_ui_bundle import swagger_ui_path
+    except ImportError:
+        return
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.staticfiles import StaticFiles
+
+    app.mount("/_swagger", StaticFiles(directory=swagger_ui_path), name="swagger-ui")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> Response:
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json",
+            title="zerowatch API",
+            swagger_js_url="/_swagger/swagger-ui-bundle.js",
+            swagger_css_url="/_swagger/swagger-ui.css",
+            swagger_favicon_url="/_swagger/favicon-32x32.png",
+        )
+
+
 def _include_pages(app: FastAPI) -> None:
     """Add the HTML pages when the dashboards' page module is installed."""
     here = Path(__file__).parent
@@ -134,7 +160,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         yield
         db.close()
 
+    try:
+        import swagger_ui_bundle  # noqa: F401
+
+        docs_url: str | None = None  # served from the bundle by _install_docs
+    except ImportError:
+        docs_url = "/docs"
     app = FastAPI(
+        docs_url=docs_url,
         title="zerowatch",
         version=zerowatch.__version__,
         description="Observability for ZeRO-sharded training: runs, ingest, series, compare, trace.",
@@ -164,6 +197,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         body = exposition(live, grace_s=settings.finished_grace_s)
         return Response(body, media_type=PROMETHEUS_CONTENT_TYPE)
 
+    _install_docs(app)
     _include_pages(app)
     return app
 
