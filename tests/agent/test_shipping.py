@@ -266,3 +266,17 @@ def test_a_full_disk_loses_events_not_training_and_reports_the_loss(
     assert stored == sorted(set(stored))  # in order, each once; those lost are just absent
     end = server.events[(0, 100)]
     assert end["kind"] == "end" and end["dropped_events"] == dropped
+
+
+def test_the_queue_is_bounded_when_the_shipper_is_stuck(fake_engine, fake_server, spool_root):
+    server = fake_server("hang")
+    run = zerowatch.instrument(fake_engine, server=server.url, spool_dir=spool_root,
+                               queue_size=10, flush_interval_s=0.05, http_timeout_s=5.0,
+                               close_timeout_s=0.2)  # fmt: skip
+    step_times(fake_engine, run, 2)  # one event out: the shipper asks the server...
+    assert wait_for(lambda: server.requests >= 1)  # ...and is now stuck in that request
+    times = step_times(fake_engine, run, 30)
+    assert max(times) < 0.1
+    assert run.stats["queue_peak"] <= 10
+    assert run.stats["dropped_events"] >= 30 - 10 - 1  # past the bound: dropped, counted
+    run.close()
