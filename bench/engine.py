@@ -8,10 +8,13 @@ Every contender trains the same small GPT (zerowatch.examples.gpt; d_model 256 b
 with AdamW, gradient clipping 1.0, fp32, on the same batches. All contenders live in the same
 two processes and take turns (interleaved): each repeat runs every contender for one warm-up
 step and `--steps` timed steps, so drift in the machine's load hits all of them alike. The
-table reports the median step time over all repeats, and the model-state bytes each rank
-holds after training (parameters, gradients, optimizer state, master weights and the
-frameworks' own persistent buffers: every tensor storage reachable from the model, the
-optimizer and the engine, counted once), both also as ratios to DDP.
+table reports the median step time over all repeats (wall clock, and CPU time of the rank's
+process over all its threads, which being descheduled on a shared machine does not
+inflate), and the model-state bytes each rank holds at the end of a backward, before the
+optimizer step, when every framework holds its gradients (parameters, gradients,
+optimizer state, master weights and the frameworks' own persistent buffers: every tensor
+storage reachable from the model, the optimizer and the engine, counted once), all also as
+ratios to DDP.
 
 DeepSpeed runs with DS_ACCELERATOR=cpu on gloo; its CPU-offload Adam is a C++ op built with
 gcc on first use (cached in TORCH_EXTENSIONS_DIR). It is optional (`pip install
@@ -108,11 +111,16 @@ def held_bytes(*roots: Any, max_depth: int = 6) -> int:
 
 
 class Trainer:
-    """One contender: `step(x, y)` trains one step; `roots` are what it holds."""
+    """One contender: `backward(x, y)` then `update()` train one step; `roots` are what it
+    holds (measured between the two, when every framework holds its gradients)."""
 
-    def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], None], roots: list[Any]):
-        self.step = step
-        self.roots = roots
+    def __init__(self, backward: Callable[[torch.Tensor, torch.Tensor], None],
+                 update: Callable[[], None], roots: list[Any]) -> None:  # fmt: skip
+        self.backward, self.update, self.roots = backward, update, roots
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.backward(x, y)
+        self.update()
 
 
 def _model(cfg: GPTConfig) -> nn.Module:
@@ -131,14 +139,15 @@ def ddp(cfg: GPTConfig, zero_optimizer: bool = False) -> Trainer:
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        loss = model(x, y)
-        loss.backward()
+    def backward(x: torch.Tensor, y: torch.Tensor) -> None:
+        model(x, y).backward()
+
+    def update() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=False)
 
-    return Trainer(step, [model, opt])
+    return Trainer(backward, update, [model, opt])
 
 
 def fsdp2(cfg: GPTConfig) -> Trainer:
@@ -150,14 +159,15 @@ def fsdp2(cfg: GPTConfig) -> Trainer:
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        loss = model(x, y)
-        loss.backward()
+    def backward(x: torch.Tensor, y: torch.Tensor) -> None:
+        model(x, y).backward()
+
+    def update() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=False)
 
-    return Trainer(step, [model, opt])
+    return Trainer(backward, update, [model, opt])
 
 
 def ds_config(cfg: GPTConfig, stage: int, offload: bool, micro_batch: int) -> dict[str, Any]:
@@ -193,12 +203,8 @@ def zerowatch_engine(cfg: GPTConfig, stage: int, offload: bool, micro_batch: int
     engine, *_ = zerowatch.initialize(model=_model(cfg),
                                       config=ds_config(cfg, stage, offload, micro_batch))  # fmt: skip
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-
-    return Trainer(step, [engine, engine.module, engine.optimizer])
+    return Trainer(lambda x, y: engine.backward(engine(x, y)), engine.step,
+                   [engine, engine.module, engine.optimizer])  # fmt: skip
 
 
 def deepspeed_engine(cfg: GPTConfig, stage: int, offload: bool, micro_batch: int) -> Trainer:
@@ -213,12 +219,8 @@ def deepspeed_engine(cfg: GPTConfig, stage: int, offload: bool, micro_batch: int
     engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                              config=config, dist_init_required=False)  # fmt: skip
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-
-    return Trainer(step, [engine, engine.module, opt])
+    return Trainer(lambda x, y: engine.backward(engine(x, y)), engine.step,
+                   [engine, engine.module, opt])  # fmt: skip
 
 
 def contenders(args: argparse.Namespace) -> dict[str, Callable[[], Trainer]]:
@@ -284,7 +286,13 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_fi
                     cpu[name].append(c1 - c0)
         if rank == 0:
             print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
-    memory = {name: held_bytes(*t.roots) for name, t in trainers.items()}
+    memory = {}
+    x, y = batches[0]
+    for name, t in trainers.items():  # one more step, measured after its backward
+        dist.barrier()
+        t.backward(x[lo:hi], y[lo:hi])
+        memory[name] = held_bytes(*t.roots)
+        t.update()
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, {"times": times, "cpu": cpu, "memory": memory})
     if rank == 0:
