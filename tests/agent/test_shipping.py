@@ -271,7 +271,7 @@ def test_a_full_disk_loses_events_not_training_and_reports_the_loss(
 def test_the_queue_is_bounded_when_the_shipper_is_stuck(fake_engine, fake_server, spool_root):
     server = fake_server("hang")
     run = zerowatch.instrument(fake_engine, server=server.url, spool_dir=spool_root,
-                               queue_size=10, flush_interval_s=0.05, http_timeout_s=5.0,
+                               queue_size=10, flush_interval_s=0.05, http_timeout_s=2.0,
                                close_timeout_s=0.2)  # fmt: skip
     step_times(fake_engine, run, 2)  # one event out: the shipper asks the server...
     assert wait_for(lambda: server.requests >= 1)  # ...and is now stuck in that request
