@@ -42,6 +42,10 @@ class BatchError(ValueError):
         self.msg = msg
 
 
+class RunGone(Exception):
+    """The run was deleted while a batch for it was being written."""
+
+
 @dataclass
 class RunRef:
     """What ingest needs to know about a run."""
@@ -364,11 +368,14 @@ def ingest_batch(
         BatchError: the batch is inconsistent with the run (nothing is stored).
     """
     now = time.time() if now is None else now
-    with db.write() as conn:
-        ref = run_ref(conn, run_id=run_id)
-        if ref is None:
-            return None
-        return _ingest(conn, ref, batch, trace_sample_every=trace_sample_every, now=now)
+    try:
+        with db.write() as conn:
+            ref = run_ref(conn, run_id=run_id)
+            if ref is None:
+                return None
+            return _ingest(conn, ref, batch, trace_sample_every=trace_sample_every, now=now)
+    except RunGone:
+        return None
 
 
 def _ingest(
@@ -411,7 +418,8 @@ def _ingest(
     times = [e.time for e in result.new_steps] + [e.time for e in result.new_ends]
     if times:
         newest = min(max(times), now)
-        conn.execute(st.touch, {"pk": ref.pk, "newest": newest})
+        if conn.execute(st.touch, {"pk": ref.pk, "newest": newest}).rowcount == 0:
+            raise RunGone(ref.run_id)  # deleted meanwhile: roll back, answer 404
         result.last_event_at = newest
     if result.new_ends:
         result.status = _settle_status(conn, ref, now=now)
