@@ -88,6 +88,12 @@ class RejectNulMiddleware:
 
 def _warm_live_cache(db: Database, live: LiveCache, settings: Settings) -> None:
     for run in queries.live_runs(db=db, since=time.time() - settings.finished_grace_s):
+        last = run["last_event_at"] or run["created_at"]
+        if (
+            run["stored_status"] == "running"
+            and time.time() - last > settings.forget_silent_after_s
+        ):
+            continue
         live.register(run)
         for rank_state in queries.latest_steps(db=db, run_id=run["run_id"]):
             live.apply(
@@ -194,7 +200,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/metrics", tags=["metrics"], response_class=Response)
     def metrics() -> Response:
         """Prometheus text exposition of the live runs."""
-        body = exposition(live, grace_s=settings.finished_grace_s)
+        body = exposition(
+            live,
+            grace_s=settings.finished_grace_s,
+            forget_after_s=settings.forget_silent_after_s,
+        )
         return Response(body, media_type=PROMETHEUS_CONTENT_TYPE)
 
     _install_docs(app)

@@ -158,15 +158,21 @@ class LiveCache:
         with self._lock:
             self._runs.pop(run_id, None)
 
-    def snapshot(self, *, grace_s: float, now: float | None = None) -> list[RunLive]:
-        """The runs to expose now; ended runs past their grace period are evicted."""
+    def snapshot(
+        self, *, grace_s: float, forget_after_s: float = float("inf"), now: float | None = None
+    ) -> list[RunLive]:
+        """The runs to expose now. Evicted first: ended runs past their grace period, and
+        runs silent for `forget_after_s` (killed without an end event)."""
         now = time.time() if now is None else now
         with self._lock:
             gone = [
                 rid
                 for rid, r in self._runs.items()
-                if r.status in ("finished", "failed")
-                and now - (r.ended_at or r.last_event_at or now) > grace_s
+                if (
+                    r.status in ("finished", "failed")
+                    and now - (r.ended_at or r.last_event_at or now) > grace_s
+                )
+                or (r.last_event_at is not None and now - r.last_event_at > forget_after_s)
             ]
             for rid in gone:
                 del self._runs[rid]

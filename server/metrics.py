@@ -48,16 +48,19 @@ RANK_GAUGES = {
 class LiveRunsCollector(Collector):
     """Exposes the live runs of a LiveCache."""
 
-    def __init__(self, live: LiveCache, *, grace_s: float) -> None:
+    def __init__(
+        self, live: LiveCache, *, grace_s: float, forget_after_s: float = float("inf")
+    ) -> None:
         self.live = live
         self.grace_s = grace_s
+        self.forget_after_s = forget_after_s
 
     def describe(self) -> list[Metric]:
         # Do not call collect() at registration time.
         return []
 
     def collect(self) -> Iterator[Metric]:
-        runs = self.live.snapshot(grace_s=self.grace_s)
+        runs = self.live.snapshot(grace_s=self.grace_s, forget_after_s=self.forget_after_s)
         yield from _run_families(runs)
         yield from _rank_families(runs)
 
@@ -209,10 +212,10 @@ def _rank_families(runs: list[RunLive]) -> Iterator[Metric]:
     )
 
 
-def exposition(live: LiveCache, *, grace_s: float) -> bytes:
+def exposition(live: LiveCache, *, grace_s: float, forget_after_s: float = float("inf")) -> bytes:
     """The Prometheus text exposition of the live runs."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(LiveRunsCollector(live, grace_s=grace_s))
+    registry.register(LiveRunsCollector(live, grace_s=grace_s, forget_after_s=forget_after_s))
     return generate_latest(registry)
 
 

@@ -34,6 +34,9 @@ class Settings:
     #: Finished and failed runs stay in /metrics this long after their last event, so that
     #: Prometheus sees the final values; then they drop out and cardinality stays bounded.
     finished_grace_s: float = 300.0
+    #: A run that sent nothing for this long leaves /metrics even though it never ended
+    #: (a job killed without its end event); it comes back with its next event.
+    forget_silent_after_s: float = 86400.0
     #: Request bodies (after gzip decompression too) above this many bytes get 413.
     max_batch_bytes: int = 16 * 2**20
     #: Keep the raw spans of every n-th step among those the agent sampled (1 = all of them).
@@ -46,7 +49,7 @@ class Settings:
     def __post_init__(self) -> None:
         if not self.db_url:
             raise SettingsError("db_url: must not be empty")
-        for name in ("stalled_after_s", "finished_grace_s"):
+        for name in ("stalled_after_s", "finished_grace_s", "forget_silent_after_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name}: must be > 0, got {getattr(self, name)}")
         for name in ("max_batch_bytes", "trace_sample_every", "recent_steps", "max_trace_steps"):

@@ -92,3 +92,20 @@ def test_a_restarted_server_exposes_live_runs_again(tmp_path: Path) -> None:
         s = _samples(client.get("/metrics").text)
         assert {x.labels["rank"] for x in s["zerowatch_step_time_seconds"]} == {"0", "1"}
         assert s["zerowatch_run_running"][0].labels["run"] == rid
+
+
+def test_a_run_killed_without_its_end_event_is_forgotten_after_a_day() -> None:
+    from zerowatch.server.live import LiveCache
+
+    live = LiveCache()
+    spec = simulate.SimSpec(world_size=1)
+    rc = simulate.run_create(spec)
+    live.register({"run_id": rc.run_id, "project": "p", "name": "n", "zero_stage": 3,
+                   "precision": "bf16", "offload_optimizer": "none", "offload_param": "none",
+                   "engine": "x", "world_size": 1})  # fmt: skip
+    now = time.time()
+    live.apply(rc.run_id, next(simulate.steps(spec, 1)), status="running", last_event_at=now)
+    assert [r.run_id for r in live.snapshot(grace_s=60, forget_after_s=86400, now=now + 3600)] == [
+        rc.run_id
+    ]
+    assert live.snapshot(grace_s=60, forget_after_s=86400, now=now + 86401) == []
