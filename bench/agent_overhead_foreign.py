@@ -13,7 +13,8 @@ with the adapter detached and `--steps` with it attached (the order alternates b
 repeats), timing every step (wall clock, and the rank's CPU time over all its threads),
 and prints the median step time of each and their ratio (the goal: at most 1.01), plus
 the CPU-time ratio of the training thread alone ("loop": hooks and wrappers, without the
-agent's shipper thread). On a
+agent's shipper thread), and how many collectives a step makes (each costs the wrapper's
+per-call time, printed first). On a
 machine shared with other work the wall-clock ratio carries the noise of being
 descheduled; the CPU-time ratio does not, and still counts the agent's shipper thread.
 
@@ -84,6 +85,24 @@ def _time_blocks(args: argparse.Namespace, one_step: Any, attach: Any, detach: A
             "plain_cpu": statistics.median(plain[1]), "agent_cpu": statistics.median(agent[1]),
             "plain_thread": statistics.median(plain[2]),
             "agent_thread": statistics.median(agent[2])}  # fmt: skip
+
+
+def _collectives_per_step(one_step: Any, adapter: Any) -> float:
+    """How many collectives zerowatch sees in one step (the wrapper's call rate)."""
+    calls = [0]
+
+    class Count:
+        def on_collective(self, record: Any) -> None:
+            calls[0] += 1
+
+    counter = Count()
+    adapter.board.observers.add(counter)
+    try:
+        for _ in range(3):
+            one_step()
+    finally:
+        adapter.board.observers.remove(counter)
+    return calls[0] / 3
 
 
 def _deepspeed_job(model: Any, variant: str, args: argparse.Namespace, server: str | None,
@@ -169,6 +188,7 @@ def measure_rank(rank: int, args: argparse.Namespace, port: int, server: str | N
 
             timing = _time_blocks(args, one_step, lambda a=adapter, r=recorder: a.attach(r),
                                   lambda a=adapter, r=recorder: a.detach(r))  # fmt: skip
+            timing["calls"] = _collectives_per_step(one_step, adapter)  # attached again
             run.close()
             results[f"{engine_name} {variant}"] = {**timing, **run.stats}
     torch.save(results, Path(out) / f"rank{rank}.pt")
@@ -258,19 +278,20 @@ def main() -> None:
           f"{wrapper_cost_us():.1f} us")  # fmt: skip
     header = (f"{'engine':<15}  {'plain ms':>9}  {'agent ms':>9}  {'ratio':>6}  "
               f"{'plain cpu ms':>12}  {'agent cpu ms':>12}  {'cpu ratio':>9}  "
-              f"{'loop cpu ratio':>14}  {'sent':>5}  {'dropped':>7}")  # fmt: skip
+              f"{'loop cpu ratio':>14}  {'calls/step':>10}  {'sent':>5}  {'dropped':>7}")  # fmt: skip
     print(header)
     for name in ranks[0]:
         per_rank = [r[name] for r in ranks]
         med = {k: statistics.median(r[k] for r in per_rank)
                for k in ("plain", "agent", "plain_cpu", "agent_cpu", "plain_thread",
-                         "agent_thread")}  # fmt: skip
+                         "agent_thread", "calls")}  # fmt: skip
         sent = sum(int(r.get("sent", 0)) for r in per_rank)
         dropped = sum(int(r.get("dropped_events", 0)) for r in per_rank)
         print(f"{name:<15}  {med['plain'] * 1e3:>9.2f}  {med['agent'] * 1e3:>9.2f}  "
               f"{med['agent'] / med['plain']:>6.3f}  {med['plain_cpu'] * 1e3:>12.2f}  "
               f"{med['agent_cpu'] * 1e3:>12.2f}  {med['agent_cpu'] / med['plain_cpu']:>9.3f}  "
-              f"{med['agent_thread'] / med['plain_thread']:>14.3f}  {sent:>5}  {dropped:>7}")  # fmt: skip
+              f"{med['agent_thread'] / med['plain_thread']:>14.3f}  {med['calls']:>10.0f}  "
+              f"{sent:>5}  {dropped:>7}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -141,10 +141,14 @@ class TensorCensus:
 
 def _local_tensor(t: torch.Tensor) -> torch.Tensor | None:
     """A DTensor's local shard, or the tensor itself."""
-    to_local = getattr(t, "to_local", None)
-    if to_local is not None and type(t).__name__ == "DTensor":
-        return to_local()  # type: ignore[no-any-return]
-    return t
+    if type(t).__name__ != "DTensor":
+        return t
+    # The shard DTensor holds (`to_local()` returns the same storage, through autograd,
+    # at many times the cost: this runs for every parameter, gradient and state each step).
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        return local
+    return t.to_local()  # type: ignore[attr-defined,no-any-return]
 
 
 def _tensors(found: Any) -> Iterable[torch.Tensor]:
