@@ -9,6 +9,15 @@
 
 The optimizer side (optim.MasterWeights) is the same for every stage: it updates whatever
 part of each segment this rank owns.
+
+Config keys that shape this: `reduce_bucket_size` (bucket elements, stages 0-2, and the
+bound on staged gradients in flight), `overlap_comm`, `stage3_param_persistence_threshold`,
+`stage3_prefetch_bucket_size`, the two offload devices. Accepted and not needed here:
+`contiguous_gradients` (gradients are always contiguous), `reduce_scatter` (stages 1-3
+always reduce-scatter), `allgather_partitions` / `allgather_bucket_size` (parameters are
+gathered per reduce bucket), `sub_group_size` (one optimizer step over all parts),
+`stage3_max_live_parameters` / `stage3_max_reuse_distance` (a unit is released right after
+its forward and after its gradients are reduced, i.e. reuse distance 0).
 """
 
 from __future__ import annotations
