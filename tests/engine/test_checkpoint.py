@@ -50,6 +50,9 @@ def _resume(rank: int, world: int, root: str) -> dict[str, Any]:
     x = torch.randint(0, TINY.vocab_size, (2, TINY.seq_len))
     with torch.no_grad():
         out["outputs"] = (engine(x), plain(x))
+    bf16, *_ = zerowatch.initialize(model=make_model(), config=ds_config(3, precision="bf16"))
+    written = bf16.save_16bit_model(str(Path(root) / "hf"))
+    out["saved_16bit"] = written and torch.load(Path(root) / "hf" / "pytorch_model.bin")
     return out
 
 
@@ -80,3 +83,14 @@ def test_load_rejects_a_checkpoint_of_another_world_size(tmp_path: Path) -> None
     torch.save(state, tmp_path / "t" / "zero_rank0.pt")
     with pytest.raises(ValueError, match="world_size 4"):
         engine.load_checkpoint(str(tmp_path), tag="t")
+
+
+def test_save_16bit_model_writes_full_bf16_weights_on_rank_zero(
+    results: list[dict[str, Any]],
+) -> None:
+    saved = results[0]["saved_16bit"]
+    assert results[1]["saved_16bit"] is False
+    plain = make_model().state_dict()
+    assert set(saved) == set(plain)
+    for k, v in saved.items():
+        assert v.shape == plain[k].shape and v.dtype == torch.bfloat16, k

@@ -15,6 +15,7 @@ with `add_observer` (see hooks.py).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -300,6 +301,17 @@ class ZeroEngine:
         """Full fp32 weights (and buffers) that load into the plain model; a collective
         (every rank calls it), the result is returned on every rank."""
         return _checkpoint.consolidated_state_dict(self)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's call: rank 0 writes the full weights in the compute dtype (fp32
+        stays fp32) as a plain `state_dict`; a collective. Returns True where written."""
+        full = self.consolidated_state_dict()
+        if self.rank != 0:
+            return False
+        out = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in full.items()}
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        torch.save(out, Path(save_dir) / save_filename)
+        return True
 
     def _broadcast_initial_state(self) -> None:
         """Start every rank from rank 0's parameters and buffers."""
