@@ -8,10 +8,12 @@ writer, takes every batch waiting (up to `max_group`), writes them all in one tr
 commits, wakes their owners, and repeats while more are waiting (flat combining). Nobody
 is answered before their batch is committed, so an answer still means "stored".
 
-Each batch stays atomic on its own: it is validated before anything of it is written, so a
-bad batch is refused alone; if the group's transaction fails for another reason, it is
-rolled back and every batch of the group is retried in a transaction of its own, so one
-batch's failure never loses another's events.
+The group is written with one multi-row statement per table (store.ingest_many), so fifty
+one-event batches cost about what one fifty-event batch does. Each batch stays atomic on its
+own: it is validated before anything of it is written, so a bad batch is refused alone; if
+the group's transaction fails for another reason, it is rolled back and every batch of the
+group is retried in a transaction of its own, so one batch's failure never loses another's
+events.
 """
 
 from __future__ import annotations
@@ -38,8 +40,14 @@ class _Job:
 class Ingestor:
     """Writes event batches with group commit (see the module docstring)."""
 
-    def __init__(self, db: Database, *, trace_sample_every: int = 1, max_group: int = 256,
-                 max_group_events: int = 20_000) -> None:  # fmt: skip
+    def __init__(
+        self,
+        db: Database,
+        *,
+        trace_sample_every: int = 1,
+        max_group: int = 256,
+        max_group_events: int = 20_000,
+    ) -> None:
         self.db = db
         self.trace_sample_every = trace_sample_every
         self.max_group = max_group
@@ -100,32 +108,38 @@ class Ingestor:
 
     def _write_group(self, group: list[_Job]) -> None:
         now = time.time()
-        outcomes: list[tuple[store.IngestResult | None, BaseException | None]] = []
         with self.db.write() as conn:
             refs: dict[str, store.RunRef | None] = {}
+            items: list[tuple[store.RunRef, ev.EventBatch]] = []
             for job in group:
                 if job.run_id not in refs:
                     refs[job.run_id] = store.run_ref(conn, run_id=job.run_id)
                 ref = refs[job.run_id]
-                if ref is None:
-                    outcomes.append((None, None))
-                    continue
-                try:
-                    result = store._ingest(conn, ref, job.batch, now=now,
-                                           trace_sample_every=self.trace_sample_every)  # fmt: skip
-                except store.BatchError as e:  # raised before the batch wrote anything
-                    outcomes.append((None, e))
-                    continue
-                outcomes.append((result, None))
-        for job, (result, error) in zip(group, outcomes, strict=True):
-            job.result, job.error = result, error
+                if ref is not None:
+                    items.append((ref, job.batch))
+            outcomes = iter(
+                store.ingest_many(conn, items, now=now, trace_sample_every=self.trace_sample_every)
+            )
+        for job in group:
+            if refs[job.run_id] is None:
+                job.result, job.error = None, None  # unknown run: 404
+                continue
+            out = next(outcomes)
+            if isinstance(out, store.BatchError):
+                job.result, job.error = None, out
+            else:
+                job.result, job.error = out, None
         self.groups += 1
         self.batches += len(group)
 
     def _write_alone(self, job: _Job) -> None:
         try:
-            job.result = store.ingest_batch(self.db, run_id=job.run_id, batch=job.batch,
-                                            trace_sample_every=self.trace_sample_every)  # fmt: skip
+            job.result = store.ingest_batch(
+                self.db,
+                run_id=job.run_id,
+                batch=job.batch,
+                trace_sample_every=self.trace_sample_every,
+            )
             job.error = None
         except BaseException as e:
             job.result, job.error = None, e

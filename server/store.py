@@ -304,7 +304,7 @@ class _Statements:
         self.steps = (
             ins(m.steps)
             .on_conflict_do_nothing(index_elements=["run", "rank", "seq"])
-            .returning(m.steps.c.rank, m.steps.c.seq)
+            .returning(m.steps.c.run, m.steps.c.rank, m.steps.c.seq)
         )
         self.collectives: Any = ins(m.collectives).on_conflict_do_nothing(
             index_elements=["run", "rank", "seq", "op", "purpose"]
@@ -381,56 +381,112 @@ def ingest_batch(
 def _ingest(
     conn: Connection, ref: RunRef, batch: ev.EventBatch, *, trace_sample_every: int, now: float
 ) -> IngestResult:
-    """Write one batch inside the caller's transaction. Validation happens first, so a
-    BatchError leaves the transaction untouched."""
-    validate_batch(batch, run_id=ref.run_id, world_size=ref.world_size)
+    """Write one batch inside the caller's transaction (see `ingest_many`).
+
+    Raises:
+        BatchError: the batch is inconsistent with its run; nothing of it was written.
+    """
+    (out,) = ingest_many(conn, [(ref, batch)], trace_sample_every=trace_sample_every, now=now)
+    if isinstance(out, BatchError):
+        raise out
+    return out
+
+
+def ingest_many(
+    conn: Connection,
+    items: list[tuple[RunRef, ev.EventBatch]],
+    *,
+    trace_sample_every: int,
+    now: float,
+) -> list[IngestResult | BatchError]:
+    """Write several batches inside the caller's transaction, with one statement per table.
+
+    Each batch is validated first: a bad one gets its BatchError in the returned list and
+    writes nothing; the others are written together (their rows in one multi-row INSERT per
+    table), so a group of small batches costs about what one big batch does. Duplicates
+    are decided in batch order: an event repeated within or across the batches counts as
+    stored for the first batch that carries it and as a duplicate for the others.
+
+    Raises:
+        RunGone: a run was deleted meanwhile (the caller rolls back).
+    """
     st = _stmts(conn)
-    result = IngestResult()
-    # Dedupe inside the batch first (first occurrence wins), then against the table.
-    seen: set[tuple[int, int]] = set()
-    step_events: list[ev.StepEvent] = []
-    end_events: list[ev.EndEvent] = []
-    for e in batch.events:
-        key = (e.rank, e.seq)
-        if key in seen:
-            result.duplicates += 1
+    results: list[IngestResult | BatchError] = []
+    valid: list[tuple[RunRef, ev.EventBatch, IngestResult]] = []
+    for ref, batch in items:
+        try:
+            validate_batch(batch, run_id=ref.run_id, world_size=ref.world_size)
+        except BatchError as err:
+            results.append(err)
             continue
-        seen.add(key)
-        (end_events if isinstance(e, ev.EndEvent) else step_events).append(e)  # type: ignore[arg-type]
+        res = IngestResult()
+        results.append(res)
+        valid.append((ref, batch, res))
 
-    if step_events:
-        rows = [_step_row(ref.pk, e) for e in step_events]
-        stored = {(r.rank, r.seq) for r in conn.execute(st.steps, rows)}
-        new = [e for e in step_events if (e.rank, e.seq) in stored]
-        result.duplicates += len(step_events) - len(new)
-        result.new_steps = new
-        _write_details(conn, st, ref.pk, new, trace_sample_every)
-        _bump_ranks(conn, st, ref.pk, new)
+    seen: set[tuple[int, int, int]] = set()
+    owners: dict[tuple[int, int, int], tuple[IngestResult, ev.StepEvent]] = {}
+    ends: list[tuple[RunRef, IngestResult, ev.EndEvent]] = []
+    for ref, batch, res in valid:
+        for e in batch.events:
+            key = (ref.pk, e.rank, e.seq)
+            if key in seen:
+                res.duplicates += 1
+                continue
+            seen.add(key)
+            if isinstance(e, ev.EndEvent):
+                ends.append((ref, res, e))
+            else:
+                owners[key] = (res, e)  # type: ignore[assignment]
 
-    for e in end_events:
+    new: list[tuple[int, ev.StepEvent]] = []
+    if owners:
+        rows = [_step_row(pk, e) for (pk, _, _), (_, e) in owners.items()]
+        stored = {(r.run, r.rank, r.seq) for r in conn.execute(st.steps, rows)}
+        for key, (res, e) in owners.items():
+            if key in stored:
+                res.new_steps.append(e)
+                new.append((key[0], e))
+            else:
+                res.duplicates += 1
+        _write_details(conn, st, new, trace_sample_every)
+        _bump_ranks(conn, st, new)
+
+    for ref, res, e in ends:
         if _record_end(conn, ref.pk, e):
-            result.new_ends.append(e)
+            res.new_ends.append(e)
         else:
-            result.duplicates += 1
+            res.duplicates += 1
 
-    result.accepted = len(result.new_steps) + len(result.new_ends)
-    result.status = ref.status
-    times = [e.time for e in result.new_steps] + [e.time for e in result.new_ends]
-    if times:
-        newest = min(max(times), now)
-        if conn.execute(st.touch, {"pk": ref.pk, "newest": newest}).rowcount == 0:
+    # One touch (and, after end events, one status check) per run.
+    by_run: dict[int, tuple[RunRef, list[IngestResult]]] = {}
+    for ref, _, res in valid:
+        by_run.setdefault(ref.pk, (ref, []))[1].append(res)
+    for pk, (ref, run_results) in by_run.items():
+        times = [t for r in run_results for t in _times(r)]
+        newest = min(max(times), now) if times else None
+        if (
+            newest is not None
+            and conn.execute(st.touch, {"pk": pk, "newest": newest}).rowcount == 0
+        ):
             raise RunGone(ref.run_id)  # deleted meanwhile: roll back, answer 404
-        result.last_event_at = newest
-    if result.new_ends:
-        result.status = _settle_status(conn, ref, now=now)
-        ref.status = result.status
-    return result
+        if any(r.new_ends for r in run_results):
+            ref.status = _settle_status(conn, ref, now=now)
+        for r in run_results:
+            r.accepted = len(r.new_steps) + len(r.new_ends)
+            r.status = ref.status
+            own = _times(r)
+            r.last_event_at = min(max(own), now) if own else None
+    return results
+
+
+def _times(r: IngestResult) -> list[float]:
+    return [e.time for e in r.new_steps] + [e.time for e in r.new_ends]
 
 
 def _write_details(
-    conn: Connection, st: _Statements, pk: int, new: list[ev.StepEvent], trace_sample_every: int
+    conn: Connection, st: _Statements, new: list[tuple[int, ev.StepEvent]], trace_sample_every: int
 ) -> None:
-    coll_rows = [row for e in new for row in _collective_rows(pk, e)]
+    coll_rows = [row for pk, e in new for row in _collective_rows(pk, e)]
     if coll_rows:
         conn.execute(st.collectives, coll_rows)
     span_rows = [
@@ -441,17 +497,19 @@ def _write_details(
             "step": e.step,
             "spans": [dataclasses.asdict(s) for s in e.spans],
         }
-        for e in new
+        for pk, e in new
         if e.spans and e.step % trace_sample_every == 0
     ]
     if span_rows:
         conn.execute(st.spans, span_rows)
 
 
-def _bump_ranks(conn: Connection, st: _Statements, pk: int, new: list[ev.StepEvent]) -> None:
-    per_rank: dict[int, list[float]] = {}
-    for e in new:
-        acc = per_rank.setdefault(e.rank, [0, -1, 0.0])
+def _bump_ranks(conn: Connection, st: _Statements, new: list[tuple[int, ev.StepEvent]]) -> None:
+    """One upsert row per (run, rank): PostgreSQL refuses to update a row twice in one
+    statement, so the batches' steps are summed here first."""
+    per_rank: dict[tuple[int, int], list[float]] = {}
+    for pk, e in new:
+        acc = per_rank.setdefault((pk, e.rank), [0, -1, 0.0])
         acc[0] += 1
         acc[1] = max(acc[1], e.step)
         acc[2] = max(acc[2], e.time)
@@ -467,7 +525,7 @@ def _bump_ranks(conn: Connection, st: _Statements, pk: int, new: list[ev.StepEve
             "dropped_events": 0,
             "agent_errors": 0,
         }
-        for rank, (n, last, t) in sorted(per_rank.items())
+        for (pk, rank), (n, last, t) in sorted(per_rank.items())
     ]
     conn.execute(st.ranks, rows)
 
@@ -514,11 +572,13 @@ def _settle_status(conn: Connection, ref: RunRef, *, now: float) -> str:
 __all__ = [
     "BatchError",
     "IngestResult",
+    "RunGone",
     "RunRef",
     "check_schema_version",
     "create_run",
     "delete_run",
     "ingest_batch",
+    "ingest_many",
     "run_ref",
     "validate_batch",
     "validate_run_create",

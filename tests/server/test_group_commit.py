@@ -63,3 +63,26 @@ def test_a_failing_group_is_retried_batch_by_batch(
         run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, [simulate.step_event(SPEC, 0, 0)])
     )
     assert out is not None and out.accepted == 1
+
+
+def test_one_statement_per_table_keeps_each_batch_its_own_outcome(db: Database) -> None:
+    rc = simulate.run_create(SPEC)
+    store.create_run(db, run=rc)
+    a = [simulate.step_event(SPEC, r, 0) for r in range(4)]
+    b = [simulate.step_event(SPEC, r, 0) for r in range(2, 6)]  # ranks 2, 3 repeat a's
+    bad = [simulate.step_event(SPEC, 0, 1)]
+    bad[0].collectives[0].buckets = []
+    end = [ev.EndEvent(rank=7, seq=0, time=1.0, status="finished")]
+    with db.write() as conn:
+        ref = store.run_ref(conn, run_id=rc.run_id)
+        assert ref is not None
+        out = store.ingest_many(conn, [(ref, ev.EventBatch(rc.run_id, x)) for x in (a, bad, b, end)],
+                                trace_sample_every=1, now=1e12)  # fmt: skip
+    ra, rbad, rb, rend = out
+    assert isinstance(rbad, store.BatchError)
+    assert isinstance(ra, store.IngestResult) and isinstance(rb, store.IngestResult)
+    assert (ra.accepted, ra.duplicates, rb.accepted, rb.duplicates) == (4, 0, 2, 2)
+    assert isinstance(rend, store.IngestResult) and rend.accepted == 1
+    run = queries.get_run(db=db, run_id=rc.run_id)
+    assert run is not None
+    assert [(x["rank"], x["steps"]) for x in run["ranks"]] == [(r, 1) for r in range(6)] + [(7, 0)]
