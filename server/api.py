@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Path, Query, Response
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from zerowatch.server import queries, store
 from zerowatch.server.body import BodyRoute
 from zerowatch.server.deps import (
     DbDep,
-    IngestorDep,
     LiveDep,
     SettingsDep,
     require_read,
@@ -115,25 +115,39 @@ def delete_run(run_id: RunId, db: DbDep, live: LiveDep) -> dict[str, Any]:
 # -- ingest -------------------------------------------------------------------------------
 
 
-@router.post("/runs/{run_id}/events", dependencies=Write, tags=["ingest"])
-def ingest(
-    run_id: RunId,
-    batch: ev.EventBatch,
-    db: DbDep,
-    ingestor: IngestorDep,
-    live: LiveDep,
-    settings: SettingsDep,
-) -> dict[str, int]:
+@dataclasses.dataclass
+class IngestAnswer:
+    """What a batch did: events newly stored, and events already held (replays)."""
+
+    accepted: int
+    duplicates: int
+
+
+@router.post(
+    "/runs/{run_id}/events",
+    dependencies=Write,
+    tags=["ingest"],
+    response_model=IngestAnswer,
+    responses={404: {"description": "unknown run"}, 413: {"description": "batch too large"}},
+)
+async def ingest(run_id: RunId, batch: ev.EventBatch, request: Request) -> JSONResponse:
     """Store a batch of events (gzip allowed); idempotent on (run, rank, seq)."""
+    # The hot path: one thread hop for the database write, nothing else off the loop.
+    state = request.app.state
+    ingestor, live, db = state.ingestor, state.live, state.db
     try:
-        result = ingestor.submit(run_id=run_id, batch=batch)
+        result = await run_in_threadpool(ingestor.submit, run_id=run_id, batch=batch)
     except store.BatchError as e:
         raise _unprocessable(e) from None
     if result is None:
         raise _not_found(run_id)
     if result.accepted:
         if not live.known(run_id):
-            run = queries.get_run(db=db, run_id=run_id, stalled_after_s=settings.stalled_after_s)
+            run = await run_in_threadpool(
+                lambda: queries.get_run(
+                    db=db, run_id=run_id, stalled_after_s=state.settings.stalled_after_s
+                )
+            )
             if run is not None:
                 live.register(run)
         ended_at = time.time() if result.status in ("finished", "failed") else None
@@ -144,7 +158,7 @@ def ingest(
             last_event_at=result.last_event_at,
             ended_at=ended_at,
         )
-    return {"accepted": result.accepted, "duplicates": result.duplicates}
+    return JSONResponse({"accepted": result.accepted, "duplicates": result.duplicates})
 
 
 # -- reads --------------------------------------------------------------------------------
