@@ -12,8 +12,11 @@ zerowatch.server.app:create_app`, the same app `zerowatch serve` runs) on 127.0.
    `--threads` connections each, every connection sending its ranks' events one request
    after another. Payloads are built and compressed before the clock starts. Measured:
    rank-steps stored per second (all accepted events / wall time from the first request to
-   the last answer) and the latency of each POST (p50/p99). Two batch shapes: one event per
-   request (an agent flushing after every step) and `--events-per-request` events.
+   the last answer), the latency of each POST (p50/p99), and the server process's CPU time
+   per stored rank-step (user + system, from psutil): on a machine shared with other work
+   the wall-clock rate is a lower bound, and 1e6 / (CPU µs per rank-step) is the rate one
+   fully busy core sustains. Batch shapes: `--events-per-request` (1: an agent flushing
+   after every step; 16, 64: agents batching).
 2. **Queries.** A run of `--points` stored rank-steps (`--query-ranks` ranks) is written
    straight through the store (not timed), then the API is asked, `--repeats` times each:
    a downsampled series of one rank (step_time_s, a phase, a collective's bus bandwidth,
@@ -62,6 +65,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+SERVER_PIDS: dict[str, int] = {}
+
+
+def server_cpu_s(url: str) -> float:
+    """CPU seconds (user + system) the server process has used so far."""
+    import psutil
+
+    t = psutil.Process(SERVER_PIDS[url]).cpu_times()
+    return float(t.user + t.system)
+
+
 @contextlib.contextmanager
 def server(db_url: str) -> Iterator[str]:
     """One zerowatch server process on a free port; yields its URL."""
@@ -97,6 +111,7 @@ def server(db_url: str) -> Iterator[str]:
                 if httpx.get(url + "/healthz", timeout=2).status_code == 200:
                     break
             time.sleep(0.1)
+        SERVER_PIDS[url] = proc.pid
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -227,10 +242,12 @@ def bench_ingest(
     for p in procs:
         p.start()
     time.sleep(2.0 + ranks * steps / 4000)  # let every client build its payloads
+    cpu0 = server_cpu_s(url)
     t0 = time.perf_counter()
     start.set()
     outs = [results.get(timeout=1800) for _ in procs]
     wall = time.perf_counter() - t0
+    cpu = server_cpu_s(url) - cpu0
     for p in procs:
         p.join()
     lat = [x for o in outs for x in o["lat"]]
@@ -244,6 +261,7 @@ def bench_ingest(
         "rank_steps": accepted,
         "wall_s": wall,
         "rank_steps_per_s": accepted / wall,
+        "server_cpu_us_per_rank_step": cpu / accepted * 1e6,
         "p50_ms": pct(lat, 0.5) * 1e3,
         "p99_ms": pct(lat, 0.99) * 1e3,
     }
@@ -395,7 +413,7 @@ def ingest_table(db_url: str, args: argparse.Namespace) -> None:
         )
         print("|---|---|---|---|---|---|---|")
         for per in sorted({int(x) for x in args.events_per_request.split(",")}):
-            steps = args.steps if per > 1 else max(2, args.steps // 4)
+            steps = args.steps if per > 1 else max(2, args.steps // 2)
             r = bench_ingest(
                 url,
                 ranks=args.ranks,
@@ -406,7 +424,8 @@ def ingest_table(db_url: str, args: argparse.Namespace) -> None:
             )
             print(
                 f"| {per} | {r['requests']} | {r['rank_steps']} | {r['wall_s']:.1f} | "
-                f"**{r['rank_steps_per_s']:.0f}** | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} |",
+                f"**{r['rank_steps_per_s']:.0f}** | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
+                f"{r['server_cpu_us_per_rank_step']:.0f} | {1e6 / r['server_cpu_us_per_rank_step']:.0f} |",
                 flush=True,
             )
 
