@@ -1,5 +1,6 @@
-"""DeepSpeed ZeRO-1, -2, -3 and -2 with CPU offload on two gloo ranks, instrumented by
-`zerowatch.instrument(engine)`, against a live server.
+"""DeepSpeed ZeRO-1, -2, -3, -2 with CPU offload and -2 accumulating gradients over two
+micro-batches, on two gloo ranks, instrumented by `zerowatch.instrument(engine)`, against a
+live server.
 
 One job runs all four configurations (DeepSpeed is imported once per rank); each rank
 counts the bytes its process group was asked to move, one layer below the functions
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 from support.foreign_jobs import (
+    DEEPSPEED_ACCUMULATION,
     DEEPSPEED_CONFIGS,
     deepspeed_worker,
     run_job,
@@ -81,6 +83,9 @@ def test_run_records_deepspeed_version_config_and_theory(
     assert run["zero_stage"] == zero["stage"]
     assert run["offload_optimizer"] == ("cpu" if "offload_optimizer" in zero else "none")
     assert run["config"]["zero_optimization"]["stage"] == zero["stage"]
+    accumulate = DEEPSPEED_ACCUMULATION.get(config, 1)
+    assert run["config"]["gradient_accumulation_steps"] == accumulate
+    assert run["engine_info"]["gradient_accumulation_steps"] == accumulate
     assert run["world_size"] == 2 and run["param_count"] == PSI
     assert run["theory"] == job[0][config]["theory"]
 
@@ -133,6 +138,8 @@ MEASURED = {
               "grads": _SHARD},
     "zero2_offload": {"params": _FULL, "host_optimizer_states": 2 * _SHARD,
                       "host_master_weights": _SHARD, "host_grads": _SHARD},
+    "zero2_accumulate2": {"params": _FULL, "optimizer_states": 2 * _SHARD,
+                          "master_weights": _SHARD},
 }  # fmt: skip
 
 

@@ -139,7 +139,10 @@ DEEPSPEED_CONFIGS: dict[str, dict[str, Any]] = {
         "stage3_max_reuse_distance": 0,
     },
     "zero2_offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    "zero2_accumulate2": {"stage": 2},
 }
+#: Gradient accumulation steps per configuration (default 1).
+DEEPSPEED_ACCUMULATION: dict[str, int] = {"zero2_accumulate2": 2}
 
 
 def deepspeed_worker(rank: int, world: int, port: int, out_dir: str, server: str | None,
@@ -159,9 +162,10 @@ def deepspeed_worker(rank: int, world: int, port: int, out_dir: str, server: str
     results: dict[str, Any] = {}
     for name in configs:
         model = mlp()
+        accumulate = DEEPSPEED_ACCUMULATION.get(name, 1)
         config = {
             "train_micro_batch_size_per_gpu": batch,
-            "gradient_accumulation_steps": 1,
+            "gradient_accumulation_steps": accumulate,
             "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
             "zero_optimization": {**DEEPSPEED_CONFIGS[name], "reduce_bucket_size": 200_000,
                                   "allgather_bucket_size": 200_000},
@@ -179,15 +183,16 @@ def deepspeed_worker(rank: int, world: int, port: int, out_dir: str, server: str
         counter.install()
         per_step = []
         gen = torch.Generator().manual_seed(1 + rank)
-        for _ in range(steps):
-            x = torch.randn(batch, 256, generator=gen)
+        for _ in range(steps):  # optimizer steps, of `accumulate` micro-batches each
             counter.take()
             t0 = time.perf_counter()
-            loss = engine(x).pow(2).mean()
-            engine.backward(loss)
-            if run is not None:
-                run.log(loss=loss.item())
-            engine.step()
+            for _ in range(accumulate):
+                x = torch.randn(batch, 256, generator=gen)
+                loss = engine(x).pow(2).mean()
+                engine.backward(loss)
+                if run is not None:
+                    run.log(loss=loss.item())
+                engine.step()
             wall = time.perf_counter() - t0
             per_step.append({"bytes": counter.take(), "wall_s": wall,
                              "timers_ms": dict(engine.get_wall_clock_timers() or {})})  # fmt: skip
@@ -378,6 +383,7 @@ def run_job(worker: Callable[..., None], out_dir: Path, *, server: str | None,
 
 
 __all__ = [
+    "DEEPSPEED_ACCUMULATION",
     "DEEPSPEED_CONFIGS",
     "ProcessGroupCounter",
     "deepspeed_worker",
