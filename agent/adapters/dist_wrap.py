@@ -99,6 +99,11 @@ _OPAQUE = ("broadcast_object_list", "all_gather_object", "gather_object", "scatt
 
 _NAMESPACES = (dist, c10d)
 
+#: What a call inside torch's `_coalescing_manager` returns: the op is only queued, and
+#: issued with the others at the block's end. Such calls are counted (their bytes) but
+#: their latency is just the queueing, and their work is handed back untouched.
+_DEFERRED: Any = getattr(c10d, "_IllegalWork", ())
+
 
 def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str) -> Any:
     """The argument at position `i` named `name`, given either way (None if absent)."""
@@ -273,7 +278,7 @@ class _Hub:
                 _local.depth -= 1
             end = time.perf_counter()
             try:
-                if async_op and isinstance(work, dist.Work):
+                if async_op and isinstance(work, dist.Work) and not isinstance(work, _DEFERRED):
                     return TimedWork(work, hub, spec.op, nbytes, world, start, purpose, cuda_start)
                 cuda_events = None
                 if cuda_start is not None:
