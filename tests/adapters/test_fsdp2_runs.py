@@ -86,6 +86,8 @@ def test_reported_collective_bytes_equal_what_fsdp2_sent(
             assert reported == counted, f"rank {rank} {op}"
     # Full sharding: parameters gathered in forward and again in backward, gradients
     # reduce-scattered once: 2 x and 1 x the model in the policy's dtype per step.
+    for rank in (0, 1):  # nothing zerowatch has no name for (reduce, all-to-all, send)
+        assert all(set(step["bytes"]) <= set(OPS) for step in job[rank][config]["steps"])
     wire = WIRE[config]
     assert job[0][config]["steps"][-1]["bytes"] == {
         "all_gather": 2 * wire * PSI, "reduce_scatter": wire * PSI,

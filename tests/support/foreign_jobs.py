@@ -36,6 +36,14 @@ _PG_METHODS: dict[str, tuple[str, int]] = {
     "reduce_scatter": ("reduce_scatter", 1),
     "reduce_scatter_tensor_coalesced": ("reduce_scatter", 1),
     "broadcast": ("broadcast", 0),
+    # Outside zerowatch's vocabulary: counted so a test sees when an engine uses them.
+    "reduce": ("reduce", 0),
+    "gather": ("gather", 1),
+    "scatter": ("scatter", 1),
+    "alltoall": ("all_to_all", 1),
+    "alltoall_base": ("all_to_all", 1),
+    "send": ("send", 0),
+    "recv": ("recv", 0),
 }
 
 
