@@ -222,7 +222,8 @@ def deepspeed_worker(rank: int, world: int, port: int, out_dir: str, server: str
 def fsdp2_worker(rank: int, world: int, port: int, out_dir: str, server: str | None,
                  configs: list[str], steps: int, batch: int,
                  instrument: bool = True) -> None:  # fmt: skip
-    """One rank: an FSDP2 model (each Linear and the root fully sharded), AdamW."""
+    """One rank: an FSDP2 model (each Linear and the root fully sharded), AdamW; on CPU with
+    gloo, or on this rank's GPU with NCCL when the configurations are named "cuda..."."""
     _join(rank, world, port)
     import torch
     import torch.distributed as dist
@@ -231,11 +232,15 @@ def fsdp2_worker(rank: int, world: int, port: int, out_dir: str, server: str | N
     import zerowatch
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cuda = any(name.startswith("cuda") for name in configs)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     counter = ProcessGroupCounter()
     results: dict[str, Any] = {}
     for name in configs:
-        model = mlp()
+        model = mlp().to(device)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if name == "bf16" else None
         kw = {"mp_policy": policy} if policy is not None else {}
         for layer in model:
@@ -253,7 +258,7 @@ def fsdp2_worker(rank: int, world: int, port: int, out_dir: str, server: str | N
         per_step = []
         gen = torch.Generator().manual_seed(1 + rank)
         for _ in range(steps):
-            x = torch.randn(batch, 256, generator=gen)
+            x = torch.randn(batch, 256, generator=gen).to(device)
             counter.take()
             t0 = time.perf_counter()
             loss = model(x).pow(2).mean()
