@@ -180,6 +180,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--no-server", action="store_true", help="spool to disk, no server")
+    p.add_argument("--foreign", default="", help="also deepspeed,fsdp2 (agent_overhead_foreign.py)")
     args = p.parse_args()
     args.stages = [int(s) for s in args.stages.split(",")]
 
@@ -229,6 +230,11 @@ def main() -> None:
               f"{ratio['wall']:>6.3f}  {med('plain_cpu') * 1e3:>7.2f}  {ratio['cpu']:>6.3f}  "
               f"{ratio['loop']:>6.3f}  {event / 1024:>9.1f}  {peak:>10}  {bound:>15.1f}  "
               f"{sent:>5}  {dropped:>7}")  # fmt: skip
+    if args.foreign:  # DeepSpeed and FSDP2, measured the same way by the companion script
+        from agent_overhead_foreign import run as run_foreign
+
+        run_foreign(argparse.Namespace(**{**vars(args), "engines": args.foreign.split(","),
+                                          "stages": [s for s in args.stages if s > 0] or [3]}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -244,6 +244,12 @@ def main() -> None:
     args = p.parse_args()
     args.engines = [e for e in args.engines.split(",") if e]
     args.stages = [int(s) for s in args.stages.split(",")]
+    run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Measure and print, for `args.engines` ("deepspeed", "fsdp2") and DeepSpeed's
+    `args.stages`; bench/agent_overhead.py calls this for its `--foreign` engines."""
     if "deepspeed" in args.engines:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
