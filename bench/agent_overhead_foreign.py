@@ -10,7 +10,8 @@ rank builds the engine (DeepSpeed from `deepspeed.initialize`, or a small GPT wi
 `fully_shard` on each block and the root plus AdamW) and one instrumented run shipping to
 a real `zerowatch serve` on 127.0.0.1. Then, `--repeats` times, it trains `--steps` steps
 with the adapter detached and `--steps` with it attached (the order alternates between
-repeats), timing every step (wall clock, and the rank's CPU time over all its threads),
+repeats; by default 60 repeats of one step, so that a burst of load from elsewhere on the
+machine falls on both variants alike), timing every step (wall clock, and the rank's CPU time over all its threads),
 and prints the median step time of each and their ratio (the goal: at most 1.01), plus
 the CPU-time ratio of the training thread alone ("loop": hooks and wrappers, without the
 agent's shipper thread), and how many collectives a step makes (each costs the wrapper's
@@ -234,8 +235,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engines", default="deepspeed,fsdp2")
     p.add_argument("--stages", default="1,2,3", help="DeepSpeed ZeRO stages")
-    p.add_argument("--repeats", type=int, default=6)
-    p.add_argument("--steps", type=int, default=5, help="steps per block")
+    p.add_argument("--repeats", type=int, default=60)
+    p.add_argument("--steps", type=int, default=1, help="steps per block (1: alternate every step)")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
