@@ -2,6 +2,8 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# DeepSpeed (the adapter tests and benchmarks) builds its CPU ops here once, then reuses them.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 
 .PHONY: demo test lint bench install install-dev system-deps
 
