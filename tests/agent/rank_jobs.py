@@ -12,6 +12,7 @@ from typing import Any
 from support.engine_scenarios import TINY, ds_config, make_model, micro_batches
 
 import zerowatch
+from zerowatch.examples.gpt import GPTConfig
 
 #: Fast shipping for tests: small flush interval, quick retries, short close.
 FAST = {"flush_interval_s": 0.1, "retry_max_wait_s": 0.3, "http_timeout_s": 2.0,
@@ -30,10 +31,10 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def train(engine: Any, run: Any, step: int, rank: int, world: int) -> None:
+def train(engine: Any, run: Any, step: int, rank: int, world: int, cfg: GPTConfig = TINY) -> None:
     """One optimizer step of the usual loop, logging loss and tokens per micro-batch."""
     ga = engine.gradient_accumulation_steps
-    for x, y in micro_batches(TINY, step, ga, world, rank):
+    for x, y in micro_batches(cfg, step, ga, world, rank):
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
@@ -82,6 +83,9 @@ def through_an_outage(rank: int, world: int, server: str, spool_root: str, flag:
     return {"run_id": run.id, "steps": steps, "stats": run.stats}
 
 
+#: The model of the fault timing runs: a little larger than TINY.
+SMALL = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_layers=2, n_heads=2, tied=False)
+
 #: For the fault timing runs: a request to the hanging server blocks this long.
 HTTP_TIMEOUT_S = 3.0
 CLOSE_TIMEOUT_S = 1.0
@@ -91,7 +95,7 @@ def _timed(engine: Any, run: Any, rank: int, world: int, n: int, start: int) -> 
     times = []
     for s in range(start, start + n):
         t0 = time.perf_counter()
-        train(engine, run, s, rank, world)
+        train(engine, run, s, rank, world, SMALL)
         times.append(time.perf_counter() - t0)
     return times
 
@@ -101,7 +105,9 @@ def step_times_under_faults(rank: int, world: int, urls: dict[str, str], spool_r
     """Median step time of the same engine without the agent and with it, shipping to each
     server in `urls` (one answering 500s, one hanging, one down with a tiny spool bound),
     interleaved over `rounds` rounds so that machine noise hits every variant alike."""
-    engine, *_ = zerowatch.initialize(model=make_model(), config=ds_config(2, overlap=True))
+    # Steps of tens of milliseconds, so that scheduling jitter (a few ms on a shared
+    # 2-core machine) does not swamp the comparison.
+    engine, *_ = zerowatch.initialize(model=make_model(SMALL), config=ds_config(2, overlap=True))
     _timed(engine, None, rank, world, 3, 0)  # warm-up
     times: dict[str, list[float]] = {"none": [], **{k: [] for k in urls}}
     runs: dict[str, Any] = {}
