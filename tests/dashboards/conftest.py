@@ -10,7 +10,6 @@ repository); the path is printed at the end of the test session.
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,11 +20,6 @@ from zerowatch import simulate as sim
 
 REPO = Path(__file__).resolve().parents[2]
 SCREENSHOTS = Path(os.environ.get("ZEROWATCH_ARTIFACTS", REPO / "artifacts")) / "screenshots"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]  # fmt: skip
 XSS_NAME = "<script>alert(1)</script>"
 _taken: list[Path] = []
 
@@ -62,19 +56,6 @@ class Seeded:
     @property
     def url(self) -> str:
         return self.server.url  # type: ignore[attr-defined,no-any-return]
-
-
-@pytest.fixture(scope="session")
-def browser() -> Iterator[object]:
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"chromium not found at {CHROMIUM}: run .ci/system-deps")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        # Playwright gives the browser a fresh profile of its own (no --user-data-dir).
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
-        yield b
-        b.close()
 
 
 @dataclass
