@@ -97,7 +97,7 @@ def upload(
 def demo(
     stages: Annotated[str, typer.Option(help="ZeRO stages to run, comma-separated.")] = "1,2,3",
     world_size: Annotated[int, typer.Option(help="Ranks per run (torchrun, gloo on CPU).")] = 2,
-    steps: Annotated[int, typer.Option(help="Optimizer steps per run.")] = 30,
+    steps: Annotated[int, typer.Option(help="Optimizer steps per run.")] = 100,
     port: Annotated[int, typer.Option(help="Server port (0: a free one).")] = 8321,
     db: Annotated[
         str | None, typer.Option(help="SQLAlchemy URL (default: sqlite file ./zerowatch-demo.db).")
