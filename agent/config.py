@@ -29,7 +29,7 @@ class AgentConfig:
     """Events the training thread may hand to the shipper before it drops (bounded memory)."""
     batch_max_events: int = 64
     """Most events in one POST."""
-    flush_interval_s: float = 1.0
+    flush_interval_s: float = 2.0
     """How often the shipper wakes to send what is queued (one POST per wake-up and up to
     `batch_max_events` events): the longest an event waits before it is sent."""
     http_timeout_s: float = 5.0
