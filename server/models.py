@@ -125,7 +125,8 @@ class Step(Base):
     #: User scalars from run.log().
     scalars: Mapped[dict[str, Any]] = mapped_column(JSON)
 
-    __table_args__ = (Index("ix_steps_run_step", "run", "step"),)
+    # SQLite: clustered by the primary key, so one rank's steps lie together (migration 0002).
+    __table_args__ = (Index("ix_steps_run_step", "run", "step"), {"sqlite_with_rowid": False})
 
 
 class Collective(Base):
@@ -150,7 +151,10 @@ class Collective(Base):
     busbw: Mapped[float] = mapped_column(Float)
     async_count: Mapped[int] = mapped_column(BigInteger)
 
-    __table_args__ = (Index("ix_collectives_run_op_step", "run", "op", "step"),)
+    __table_args__ = (
+        Index("ix_collectives_run_op_step", "run", "op", "step"),
+        {"sqlite_with_rowid": False},
+    )
 
 
 class SpanSet(Base):

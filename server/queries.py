@@ -401,12 +401,14 @@ def _series_rows(
     q, t, step = _series_query(
         pk, metric, rank=rank, step_from=step_from, step_to=step_to, steps_in=steps_in
     )
-    # One rank: order by (rank, seq), the primary key, so the index serves both the filter
-    # and the order (ordering by step would tempt SQLite into scanning every rank's rows
-    # through the (run, step) index); a rank's seq grows with its steps. All ranks: order
-    # by step, the (run, step) index, which reads the table in the order it was written
-    # (a per-rank order would jump between pages for every row); callers group by rank.
-    order = (t.rank, t.seq) if rank is not None else (step, t.rank)
+    # Order by (rank, seq), the primary key, so the index serves both the rank filter and the
+    # order (ordering by step would tempt SQLite into scanning every rank's rows through the
+    # (run, step) index); a rank's seq grows with its steps. On SQLite the tables are
+    # clustered by that key (migration 0002), so this also reads each rank's rows together.
+    # PostgreSQL's heap is in arrival order (step-major): there, all ranks read faster in
+    # step order through the (run, step) index. Callers group the rows by rank.
+    sqlite = conn.dialect.name == "sqlite"
+    order = (t.rank, t.seq) if rank is not None or sqlite else (step, t.rank)
     return list(conn.execute(q.order_by(*order)).all())
 
 
