@@ -412,9 +412,10 @@ def ingest_table(db_url: str, args: argparse.Namespace) -> None:
     """Print the ingest table of one backend (fresh server process)."""
     with server(db_url) as url:
         print(
-            "| events/request | requests | rank-steps | wall s | rank-steps/s | p50 ms | p99 ms |"
+            "| events/request | requests | rank-steps | wall s | rank-steps/s | p50 ms | p99 ms"
+            " | server CPU µs/rank-step | rank-steps/s per busy core |"
         )
-        print("|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|")
         for per in sorted({int(x) for x in args.events_per_request.split(",")}):
             steps = args.steps if per > 1 else max(2, args.steps // 2)
             r = bench_ingest(
