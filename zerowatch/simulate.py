@@ -65,7 +65,10 @@ def run_create(spec: SimSpec, run_id: str | None = None) -> ev.RunCreate:
         zero_stage=spec.stage,
         offload_optimizer="cpu" if spec.offload_optimizer else "none",
         precision=spec.precision,  # type: ignore[arg-type]
-        config={"zero_optimization": {"stage": spec.stage}, "train_micro_batch_size_per_gpu": spec.micro_batch},
+        config={
+            "zero_optimization": {"stage": spec.stage},
+            "train_micro_batch_size_per_gpu": spec.micro_batch,
+        },
         param_count=spec.num_params,
         hosts=["sim-host-0"],
         theory=ms.flat(),
@@ -135,8 +138,12 @@ def step_event(spec: SimSpec, rank: int, step: int, *, t: float | None = None,
         phases["offload_d2h"] = total * 0.03
         phases["offload_h2d"] = total * 0.03
         offload = [
-            ev.OffloadStats(direction=d, bytes=nbytes, seconds=phases[f"offload_{d}"],
-                            bandwidth_bytes_per_s=nbytes / phases[f"offload_{d}"])  # fmt: skip
+            ev.OffloadStats(
+                direction=d,
+                bytes=nbytes,
+                seconds=phases[f"offload_{d}"],
+                bandwidth_bytes_per_s=nbytes / phases[f"offload_{d}"],
+            )
             for d in ("d2h", "h2d")
         ]
     ms = theory.model_state_bytes(
@@ -147,7 +154,8 @@ def step_event(spec: SimSpec, rank: int, step: int, *, t: float | None = None,
     peak = ms.device_total
     memory = ev.MemoryStats(
         peak_by_phase={
-            p: int(peak * f) for p, f in (("forward", 1.3), ("backward", 1.5), ("optimizer_step", 1.2))
+            p: int(peak * f)
+            for p, f in (("forward", 1.3), ("backward", 1.5), ("optimizer_step", 1.2))
         },
         model_state={k: int(v * rng.uniform(1.0, 1.02)) for k, v in state.items()},
         model_state_theory=state,
