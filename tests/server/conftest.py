@@ -26,7 +26,10 @@ from zerowatch import simulate
 def pg_server() -> Iterator[Any]:
     """One PostgreSQL cluster for the session (each test gets its own database)."""
     if not postgres_available():
-        pytest.skip("PostgreSQL binaries not installed (apt-get install postgresql)")
+        pytest.fail(
+            "PostgreSQL binaries not found (/usr/lib/postgresql/*/bin): run .ci/system-deps "
+            "(apt-get install postgresql)"
+        )
     with postgres() as pg:
         yield pg
 

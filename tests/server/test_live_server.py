@@ -15,7 +15,6 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from support.live_server import LiveServer
-from support.postgres import postgres_available
 from support.prometheus import prometheus
 
 from zerowatch import events as ev
@@ -82,8 +81,6 @@ def test_prometheus_scrapes_the_step_time_of_a_simulated_run() -> None:
 def server(request: pytest.FixtureRequest) -> Iterator[LiveServer]:
     db_url = None
     if request.param == "postgresql":
-        if not postgres_available():
-            pytest.skip("PostgreSQL binaries not installed")
         pg = request.getfixturevalue("pg_server")
         db_url = pg.create_database("live_" + uuid.uuid4().hex[:10])
     with LiveServer(db_url=db_url) as s:
