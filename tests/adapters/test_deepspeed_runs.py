@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import deepspeed  # the dev extra installs it: a missing DeepSpeed fails here, not skips
 import pytest
 from support.foreign_jobs import (
     DEEPSPEED_ACCUMULATION,
@@ -26,8 +27,6 @@ from support.foreign_jobs import (
     server_series,
 )
 from support.live_server import LiveServer
-
-deepspeed = pytest.importorskip("deepspeed")
 
 pytestmark = pytest.mark.slow
 
