@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from zerowatch import theory
-from zerowatch.config import ZeroWatchConfig
+from zerowatch.config import ConfigError, ZeroWatchConfig
 from zerowatch.engine import checkpoint as _checkpoint
 from zerowatch.engine.comm import Comm
 from zerowatch.engine.hooks import ObserverRegistry
@@ -110,10 +110,10 @@ class ZeroEngine:
         self.precision = config.precision
         self.dtype = DTYPES[self.precision]
         if zc.offload_param.device == "cpu" and self.zero_stage != 3:
-            raise ValueError("zero_optimization.offload_param: needs stage 3, "
+            raise ConfigError("zero_optimization.offload_param: needs stage 3, "
                              f"got stage {self.zero_stage}")  # fmt: skip
         if zc.offload_optimizer.device == "cpu" and self.zero_stage == 0:
-            raise ValueError("zero_optimization.offload_optimizer: needs stage 1, 2 or 3")
+            raise ConfigError("zero_optimization.offload_optimizer: needs stage 1, 2 or 3")
         self.gradient_accumulation_steps = max(int(config.gradient_accumulation_steps), 1)
         self.micro_batch_size = int(
             config.train_micro_batch_size_per_gpu

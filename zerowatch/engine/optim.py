@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from zerowatch.config import OptimizerConfig
+from zerowatch.config import ConfigError, OptimizerConfig
 from zerowatch.engine.comm import Comm
 from zerowatch.engine.flat import Segment
 from zerowatch.engine.phases import Phases
@@ -207,13 +207,13 @@ def build_optimizer(config: OptimizerConfig | None, passed: Any,
                             "expected a torch.optim.Optimizer")  # fmt: skip
         return built
     if config is None:
-        raise ValueError("optimizer: pass an optimizer to initialize() or configure one "
+        raise ConfigError("optimizer: pass an optimizer to initialize() or configure one "
                          "under the `optimizer` key")  # fmt: skip
     kind = config.type.lower()
     params = dict(config.params)
     unknown = sorted(set(params) - set(_TORCH_KEYS) - set(_IGNORED_KEYS))
     if unknown:
-        raise ValueError(f"optimizer.params.{unknown[0]}: not supported for {config.type}")
+        raise ConfigError(f"optimizer.params.{unknown[0]}: not supported for {config.type}")
     adam_w_mode = bool(params.get("adam_w_mode", True))
     kwargs = {k: v for k, v in params.items() if k in _TORCH_KEYS}
     kwargs.setdefault("weight_decay", 0.0)  # DeepSpeed's default (torch's AdamW says 0.01)
@@ -225,7 +225,7 @@ def build_optimizer(config: OptimizerConfig | None, passed: Any,
     elif kind == "adam":
         cls = torch.optim.Adam
     else:
-        raise ValueError(f"optimizer.type: expected Adam or AdamW, got {config.type!r}")
+        raise ConfigError(f"optimizer.type: expected Adam or AdamW, got {config.type!r}")
     return cls(groups, **kwargs)
 
 

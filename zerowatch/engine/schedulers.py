@@ -16,13 +16,15 @@ from typing import Any
 
 from torch.optim import Optimizer
 
+from zerowatch.config import ConfigError
+
 WARMUP_TYPES = ("log", "linear")
 
 
 def _per_group(optimizer: Optimizer, value: Any, name: str) -> list[float]:
     if isinstance(value, (list, tuple)):
         if len(value) != len(optimizer.param_groups):
-            raise ValueError(f"scheduler.params.{name}: expected {len(optimizer.param_groups)} "
+            raise ConfigError(f"scheduler.params.{name}: expected {len(optimizer.param_groups)} "
                              f"values (one per param group), got {len(value)}")  # fmt: skip
         return [float(v) for v in value]
     return [float(value)] * len(optimizer.param_groups)
@@ -34,7 +36,7 @@ class _Schedule:
     def __init__(self, optimizer: Optimizer, warmup_num_steps: int, warmup_type: str,
                  last_batch_iteration: int) -> None:  # fmt: skip
         if warmup_type not in WARMUP_TYPES:
-            raise ValueError(f"scheduler.params.warmup_type: expected one of {WARMUP_TYPES}, "
+            raise ConfigError(f"scheduler.params.warmup_type: expected one of {WARMUP_TYPES}, "
                              f"got {warmup_type!r}")  # fmt: skip
         self.optimizer = optimizer
         self.warmup_num_steps = max(2, int(warmup_num_steps))
@@ -152,11 +154,11 @@ def build_scheduler(kind: str, optimizer: Optimizer, params: dict[str, Any]) -> 
     """The DeepSpeed `scheduler` config section as a scheduler on `optimizer`."""
     cls = SCHEDULERS.get(kind)
     if cls is None:
-        raise ValueError(f"scheduler.type: expected one of {sorted(SCHEDULERS)}, got {kind!r}")
+        raise ConfigError(f"scheduler.type: expected one of {sorted(SCHEDULERS)}, got {kind!r}")
     try:
         return cls(optimizer, **params)
     except TypeError as e:
-        raise ValueError(f"scheduler.params: {e}") from e
+        raise ConfigError(f"scheduler.params: {e}") from e
 
 
 __all__ = ["SCHEDULERS", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "build_scheduler"]

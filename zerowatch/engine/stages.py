@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerowatch.config import ZeroConfig
+from zerowatch.config import ConfigError, ZeroConfig
 from zerowatch.engine.comm import Comm
 from zerowatch.engine.flat import Segment, bucket
 from zerowatch.engine.params_replicated import ReplicatedParams
@@ -72,7 +72,7 @@ def compose(stage: int, module: nn.Module, params: ParamList, zc: ZeroConfig, co
             reducer = BoundaryReducer(segs, comm, phases, op=op, overlap=overlap, **common)
         return Composition([owner], [reducer], segs)
     if stage != 3:
-        raise ValueError(f"zero_optimization.stage: expected 0, 1, 2 or 3, got {stage!r}")
+        raise ConfigError(f"zero_optimization.stage: expected 0, 1, 2 or 3, got {stage!r}")
 
     threshold = int(zc.stage3_param_persistence_threshold)
     persistent = [t for t in params if t[1].numel() < threshold]
