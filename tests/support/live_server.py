@@ -42,6 +42,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class _PortTaken(RuntimeError):
+    """The picked port was bound by another process first."""
+
+
 class LiveServer:
     """A zerowatch server process on 127.0.0.1 (see the module docstring)."""
 
@@ -58,6 +62,7 @@ class LiveServer:
         self._tmp = Path(tempfile.mkdtemp(prefix="zerowatch-server-"))
         self.db_url = db_url or f"sqlite:///{self._tmp / 'zerowatch.db'}"
         self.token = token
+        self._pick_port = port is None
         self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api = self.url + "/api/v1"
@@ -87,7 +92,22 @@ class LiveServer:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self) -> LiveServer:
-        """Start the process and wait until /healthz answers 200."""
+        """Start the process and wait until /healthz answers 200.
+
+        A free port picked here can be taken by another process before the server binds
+        it; when the server then exits on "address already in use", it is started again on
+        a newly picked port (a port given by the caller, or one a started server has held,
+        is never changed)."""
+        for _ in range(5):
+            try:
+                return self._start_once()
+            except _PortTaken:
+                self.port = _free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
+                self.api = self.url + "/api/v1"
+        return self._start_once()
+
+    def _start_once(self) -> LiveServer:
         if self.running():
             return self
         cmd = [
@@ -95,6 +115,7 @@ class LiveServer:
             "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
         ]  # fmt: skip
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
+        log_start = log.tell()
         try:
             self._proc = subprocess.Popen(
                 cmd, env=self._env, stdout=log, stderr=subprocess.STDOUT, cwd=self._tmp
@@ -104,11 +125,16 @@ class LiveServer:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
+                this_start = self.log_path.read_bytes()[log_start:].decode(errors="replace")
+                if self._pick_port and "address already in use" in this_start.lower():
+                    raise _PortTaken(f"port {self.port} was taken before the server bound it")
                 raise RuntimeError(
                     f"zerowatch server exited with {self._proc.returncode}:\n{self.log_tail()}"
                 )
             try:
-                if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
+                ok = httpx.get(self.url + "/healthz", timeout=2).status_code == 200
+                if ok and self._proc.poll() is None:  # not another process on a taken port
+                    self._pick_port = False  # a restart keeps this port
                     return self
             except httpx.HTTPError:
                 pass
