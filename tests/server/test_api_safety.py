@@ -222,3 +222,31 @@ def test_hostile_strings_are_refused_or_stored_on_both_databases(db_url: str) ->
         assert (got["name"], got["tags"], got["config"]) == (odd, [odd], {odd: odd})
         assert c.get("/api/v1/runs", params={"tag": odd}).json()["runs"][0]["name"] == odd
         assert c.get("/api/v1/runs/" + "x" * 300).status_code == 422
+
+
+def _values(client: TestClient, run_id: str, metric: str) -> list[tuple[int, list, list]]:
+    got = client.get(f"/api/v1/runs/{run_id}/series", params={"metric": metric}).json()
+    return [(s["rank"], s["steps"], s["values"]) for s in got["series"]]
+
+
+def test_a_replay_or_a_second_create_carrying_other_values_changes_nothing_stored(
+    client: TestClient, run_id: str
+) -> None:
+    """(run, rank, seq) and run_id are the identities: whatever a repeat carries, the values
+    stored first stay as they were."""
+    run_before = client.get(f"/api/v1/runs/{run_id}").json()
+    times_before = _values(client, run_id, "step_time_s")
+    norms_before = _values(client, run_id, "grad_norm")
+    replay = [simulate.step_event(SPEC, r, s) for s in range(3) for r in range(2)]
+    for e in replay:
+        e.step_time_s, e.grad_norm = 99.0, 1234.5
+    assert post_events(client, run_id, replay).json() == {"accepted": 0, "duplicates": 6}
+    again = {**asdict(simulate.run_create(SPEC, run_id=run_id)), "name": "other",
+             "project": "elsewhere", "tags": ["new"], "config": {"lr": 1.0}}  # fmt: skip
+    assert client.post("/api/v1/runs", json=again).status_code == 200
+    assert _values(client, run_id, "step_time_s") == times_before
+    assert _values(client, run_id, "grad_norm") == norms_before
+    assert 99.0 not in [v for _, _, vs in times_before for v in vs]  # the replay differed
+    run_after = client.get(f"/api/v1/runs/{run_id}").json()
+    for key in ("name", "project", "tags", "config", "ranks", "world_size", "zero_stage"):
+        assert run_after[key] == run_before[key], key
