@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from support.engine_harness import run_ranks
-from support.engine_scenarios import TINY, ds_config, make_model, train_engine
+from support.engine_scenarios import CLIP, TINY, ds_config, make_model, train_engine
 
 import zerowatch
 from zerowatch.engine import CollectiveRecord
@@ -155,7 +155,7 @@ def test_step_stats_attributes_and_observer_removal(observed: list[Any]) -> None
         st = res["last_step"]
         assert st.grad_norm is not None and st.grad_norm > 0 and not st.skipped
         assert st.lr == pytest.approx(1e-2) and st.loss_scale is None and not st.nonfinite
-        assert st.clipped == (st.grad_norm > 0.5)
+        assert st.clipped == (st.grad_norm > CLIP)
         assert res["after_remove"] == 0
         attrs = res["attrs"]
         assert attrs["rank"] == 1 and attrs["world_size"] == 2 and attrs["global_steps"] == 4

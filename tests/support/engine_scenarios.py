@@ -16,7 +16,10 @@ from zerowatch.examples.gpt import GPT, GPTConfig, random_batch
 
 TINY = GPTConfig(vocab_size=33, seq_len=8, d_model=16, n_layers=2, n_heads=2, tied=False)
 MICRO_BATCH = 2
-LR, WEIGHT_DECAY, CLIP = 1e-2, 0.1, 0.5
+#: CLIP sits inside the range of the tiny runs' global gradient norms (about 0.6-0.9 at
+#: accumulation 1, 0.3-0.5 at 4), so that clipping acts in every matrix case (and at
+#: accumulation 4 on some steps, not others: both branches).
+LR, WEIGHT_DECAY, CLIP = 1e-2, 0.1, 0.4
 
 
 def ds_config(stage: int, *, ga: int = 1, precision: str = "fp32", offload_optimizer: bool = False,
@@ -98,17 +101,18 @@ def reference_run(ga: int, world: int, steps: int = 20, cfg: GPTConfig = TINY, b
     model = make_model(cfg, build)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
-    losses = []
+    losses, grad_norms = [], []
     for s in range(steps):
         x, y = random_batch(cfg, MICRO_BATCH * ga * world, seed=1000 + s)
         opt.zero_grad()
         loss = model(x, y)
         loss.backward()
         if clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, clip)
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
         opt.step()
         losses.append(loss.item())
-    return Run({k: v.detach().clone() for k, v in model.state_dict().items()}, losses)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return Run(state, losses, {"grad_norms": grad_norms})
 
 
 def max_relative_error(
