@@ -126,17 +126,21 @@ _local = _State()
 
 
 class _WorldSizes:
-    """Process-group sizes, looked up once per group."""
+    """Process-group sizes, looked up once per group while the wrappers are installed
+    (forgotten at uninstall: the default group of a later run may have another size).
+    Each group is held with its size, so that its id cannot be reused by a new group."""
 
     def __init__(self) -> None:
-        self._by_group: dict[int, int] = {}
+        self._by_group: dict[int, tuple[Any, int]] = {}
 
     def __call__(self, group: Any) -> int:
-        key = id(group)
-        size = self._by_group.get(key)
-        if size is None:
-            size = self._by_group[key] = int(dist.get_world_size(group))
-        return size
+        found = self._by_group.get(id(group))
+        if found is None:
+            found = self._by_group[id(group)] = (group, int(dist.get_world_size(group)))
+        return found[1]
+
+    def clear(self) -> None:
+        self._by_group.clear()
 
 
 class TimedWork(dist.Work):
@@ -337,6 +341,7 @@ class _Hub:
                 log.warning("zerowatch: torch.distributed.%s was replaced while wrapped; "
                             "leaving the replacement in place", name)  # fmt: skip
         self.installed.clear()
+        self.world.clear()
 
     def add(self, tap: CollectiveTap) -> None:
         with self.lock:

@@ -289,6 +289,14 @@ def wrapping_worker(rank: int, world: int, port: int, out_dir: str, *_: Any) -> 
     import torch.distributed.distributed_c10d as c10d
     from zerowatch.agent.adapters import dist_wrap
 
+    # A one-rank run earlier in the process: its group's size must not outlive it.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    solo = dist_wrap.CollectiveTap(lambda op: "other", lambda rec: None)
+    solo.open()
+    dist.all_reduce(torch.ones(1))
+    solo.close()
+    dist.destroy_process_group()
+
     dist.init_process_group("gloo", rank=rank, world_size=world)
     names = [n for n in dist_wrap.SPECS if hasattr(dist, n)]
     originals = {n: (getattr(dist, n), getattr(c10d, n)) for n in names}
