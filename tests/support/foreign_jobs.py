@@ -392,13 +392,23 @@ def server_run(api: str, run_id: str) -> dict[str, Any]:
 
 def run_job(worker: Callable[..., None], out_dir: Path, *, server: str | None,
             configs: list[str], steps: int, batch: int = 64, world: int = 2,
-            instrument: bool = True) -> list[dict[str, Any]]:  # fmt: skip
-    """Spawn `world` gloo ranks of `worker`; each rank's results, in rank order."""
+            instrument: bool = True, timeout_s: float = 600.0) -> list[dict[str, Any]]:  # fmt: skip
+    """Spawn `world` gloo ranks of `worker`; each rank's results, in rank order. Ranks
+    still running after `timeout_s` (one waiting on a peer that hangs) are killed and the
+    job fails, so that a hang fails the test instead of stalling the suite."""
     import torch.multiprocessing as mp
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.spawn(worker, args=(world, free_port(), str(out_dir), server, configs, steps, batch,
-                           instrument), nprocs=world, join=True)  # fmt: skip
+    ctx = mp.spawn(worker, args=(world, free_port(), str(out_dir), server, configs, steps,
+                                 batch, instrument), nprocs=world, join=False)  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1.0):  # raises when a rank fails
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+            raise TimeoutError(f"{worker.__name__}: ranks still running after {timeout_s:.0f} s")
     job = worker.__name__.removesuffix("_worker")
     return [json.loads(Path(out_dir, f"{job}-rank{r}.json").read_text()) for r in range(world)]
 
