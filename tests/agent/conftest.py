@@ -40,6 +40,9 @@ class FakeEngine:
     global_steps: int = 0
     last_step: LastStep = field(default_factory=LastStep)
     registry: ObserverRegistry = field(default_factory=ObserverRegistry)
+    #: Per train_step: the exposed seconds of the collectives it reported (what the agent
+    #: must sum to its exposed communication time).
+    exposed_by_step: list[float] = field(default_factory=list)
 
     def add_observer(self, obs: Any) -> None:
         self.registry.add(obs)
@@ -66,12 +69,14 @@ class FakeEngine:
         t1 = time.perf_counter()
         rec = CollectiveRecord(op, purpose, nbytes, self.world_size, t0, t1, async_op,
                                0.0 if async_op else t1 - t0)  # fmt: skip
+        self.exposed_by_step[-1] += rec.exposed_s
         self.registry.call("on_collective", rec)
 
     def train_step(self, *, fwd: float = 0.004, bwd: float = 0.006, opt: float = 0.002) -> None:
         """forward, backward with a nested grad_reduce (two reduce-scatters), optimizer step
         with an all-gather and a d2h/h2d copy pair."""
         reg = self.registry
+        self.exposed_by_step.append(0.0)
         reg.call("on_phase_start", "step", time.perf_counter())
         self._phase("forward", fwd)
         reg.call("on_phase_start", "backward", time.perf_counter())
