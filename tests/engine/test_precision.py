@@ -55,7 +55,9 @@ def test_mixed_precision_tracks_fp32_loss_curve(case: str, results: list[dict[st
     # Each rank saw half of the global batch: their mean is the global-batch loss.
     got = [(a + b) / 2 for a, b in zip(results[0][case], results[1][case], strict=True)]
     worst = max(abs(a - b) for a, b in zip(got, fp32, strict=True))
-    assert worst < 0.02, f"{case}: loss curve departs from fp32 by {worst:.4f}"
+    # Measured: bf16 within 0.002, fp16 within 0.0003 of fp32. Leaving out weight decay
+    # moves the fp32 curve by 0.010, leaving out clipping by 0.008, doubling the lr by 0.17.
+    assert worst < 0.005, f"{case}: loss curve departs from fp32 by {worst:.4f}"
 
 
 @pytest.mark.slow
