@@ -30,7 +30,7 @@ def _overflow_then_recover(rank: int, world: int) -> list[Any]:
     for i in range(3):
         before = [p.detach().clone() for p in engine.masters.masters[0].param.unsqueeze(0)]
         loss = engine(x, x)
-        engine.backward(loss * (float("inf") if i == 0 else 1.0))
+        engine.backward(loss * (float("inf") if i < 2 else 1.0))
         engine.step()
         changed = not torch.equal(before[0], engine.masters.masters[0].param.detach())
         seen.append((engine.last_step, changed, engine.scaler.scale))
@@ -62,12 +62,18 @@ def test_mixed_precision_tracks_fp32_loss_curve(case: str, results: list[dict[st
 
 @pytest.mark.slow
 def test_fp16_overflow_skips_the_step_and_halves_the_scale(results: list[dict[str, Any]]) -> None:
-    (first, changed0, scale0), (second, changed1, _), _ = results[0]["overflow"]
-    assert first.skipped and first.nonfinite and first.grad_norm is None and not changed0
-    assert first.loss_scale == 2.0**8
-    # Hysteresis 2: the first overflow only spends hysteresis; the scale is unchanged.
-    assert scale0 == 2.0**8
-    assert not second.skipped and changed1 and second.grad_norm is not None
+    for rank in (0, 1):
+        (first, changed0, scale0), (second, changed1, scale1), (third, changed2, scale2) = results[
+            rank
+        ]["overflow"]
+        assert first.skipped and first.nonfinite and first.grad_norm is None and not changed0
+        assert first.loss_scale == 2.0**8
+        # Hysteresis 2: the first overflow only spends hysteresis; the scale is unchanged.
+        assert scale0 == 2.0**8
+        # The second halves it, and is skipped too.
+        assert second.skipped and second.nonfinite and not changed1 and scale1 == 2.0**7
+        assert not third.skipped and changed2 and third.grad_norm is not None
+        assert scale2 == 2.0**7
 
 
 def test_dynamic_scaler_follows_deepspeed_hysteresis_and_window() -> None:
