@@ -69,7 +69,7 @@ def _read_steps(conn: Connection, pk: int, steps: Sequence[int]) -> list[Any]:
     s = m.steps
     cols = (s.c.rank, s.c.step, s.c.step_time_s, s.c.exposed_comm_s, s.c.grad_norm, s.c.clipped,
             s.c.loss, s.c.lr, s.c.loss_scale, s.c.skipped, s.c.samples_per_s, s.c.phases,
-            s.c.offload)  # fmt: skip
+            s.c.offload, s.c.seq)  # fmt: skip
     return _rows_at(conn, pk, steps, cols)
 
 
@@ -93,12 +93,28 @@ def _rows_at(conn: Connection, pk: int, steps: Sequence[int], cols: Sequence[Any
     return list(conn.execute(q.order_by(s.c.step, s.c.rank)).all())
 
 
-def _read_collectives(conn: Connection, pk: int, steps: Sequence[int]) -> list[Any]:
+def _read_collectives(
+    conn: Connection, pk: int, steps: Sequence[int], step_rows: Sequence[Any]
+) -> list[Any]:
+    """The collective aggregates of the sampled steps (`step_rows`: their (rank, seq))."""
     c = m.collectives
+    cols = (c.c.rank, c.c.step, c.c.op, c.c.count, c.c.bytes, c.c.latency_sum_s, c.c.busbw)
     rows: list[Any] = []
+    if conn.dialect.name == "sqlite":
+        # Without ANALYZE statistics SQLite prefers the clustered primary key's (run) prefix,
+        # which reads every row of the run, to the (run, op, step) index (it needs columns
+        # the index lacks): measured 1.6 s against 0.03 s for 400 of 128,000 steps of 8 ranks.
+        # The sampled steps' (rank, seq) keys are the primary key's own prefix instead.
+        seqs: dict[int, list[int]] = defaultdict(list)
+        for r in step_rows:
+            seqs[r.rank].append(r.seq)
+        for rank, rank_seqs in sorted(seqs.items()):
+            q = select(*cols).where(c.c.run == pk, c.c.rank == rank, c.c.seq.in_(rank_seqs),
+                                    c.c.op.in_(ev.COLLECTIVE_OPS))  # fmt: skip
+            rows.extend(conn.execute(q).all())
+        return rows
     for op in ev.COLLECTIVE_OPS:  # one index range per op: (run, op, step)
-        q = select(c.c.rank, c.c.step, c.c.op, c.c.count, c.c.bytes, c.c.latency_sum_s,
-                   c.c.busbw).where(c.c.run == pk, c.c.op == op)  # fmt: skip
+        q = select(*cols).where(c.c.run == pk, c.c.op == op)
         if steps and steps[-1] - steps[0] + 1 == len(steps):
             q = q.where(c.c.step.between(steps[0], steps[-1]))
         else:
@@ -136,7 +152,7 @@ def run_view(
         steps = sample_steps(rng[0], rng[1], n)
         step_rows = _read_steps(conn, pk, steps)
         memory_rows = _read_memory(conn, pk, steps)
-        coll_rows = _read_collectives(conn, pk, steps)
+        coll_rows = _read_collectives(conn, pk, steps, step_rows)
     view.last_step = rng[1]
     _fill_steps(view, step_rows)
     _fill_memory(view, memory_rows)
@@ -252,7 +268,9 @@ def run_summary(
         steps = sample_steps(max(rng[0], rng[1] - window + 1), rng[1], window) if rng else []
         step_rows = _read_steps(conn, pk, steps) if steps and pk is not None else []
         memory_rows = _read_memory(conn, pk, steps[-1:]) if steps and pk is not None else []
-        coll_rows = _read_collectives(conn, pk, steps) if steps and pk is not None else []
+        coll_rows = (
+            _read_collectives(conn, pk, steps, step_rows) if steps and pk is not None else []
+        )
     phases: dict[str, list[float]] = defaultdict(list)
     per_rank_sps: dict[int, list[float]] = defaultdict(list)
     model_state: dict[int, dict[str, float]] = {}

@@ -62,11 +62,16 @@ def test_run_view_matches_the_ingested_events(stored):
 
 
 def test_run_view_samples_a_long_run(stored):
-    db, rc, _ = stored
+    db, rc, events = stored
     view = pq.run_view(db=db, run_id=rc.run_id, max_points=7)
     assert view is not None and len(view.steps) == 7
     assert view.steps[0] == 0 and view.steps[-1] == 29
     assert len(view.step_time.steps) == 7 and len(view.heat.steps) == 7
+    # the collectives of exactly the sampled steps, every rank's
+    assert view.latency["all_gather"].steps == view.steps
+    for step, got in zip(view.steps, view.latency["all_gather"].values, strict=True):
+        ag = [c for e in events if e.step == step for c in e.collectives if c.op == "all_gather"]
+        assert got == pytest.approx(sum(c.latency_sum_s for c in ag) / sum(c.count for c in ag))
 
 
 def test_run_summary_averages_the_newest_steps(stored):
