@@ -9,7 +9,6 @@ the failing rank's traceback.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -22,19 +21,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..., Any],
+def _entry(rank: int, world_size: int, out_dir: str, fn: Callable[..., Any],
            args: tuple[Any, ...], timeout_s: float) -> None:  # fmt: skip
     torch.set_num_threads(1)
     os.environ["ZEROWATCH_COMM_TIMEOUT_S"] = str(timeout_s)
     result: dict[str, Any]
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        # Rendezvous through a file in the job's own directory: no port to pick, so jobs
+        # started side by side cannot collide.
+        dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))  # fmt: skip
         result = {"ok": fn(rank, world_size, *args)}
     except BaseException:  # reported to the parent, which raises it
@@ -50,8 +45,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     (None for a rank in `may_die` that left no result)."""
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.get_context("spawn")
-        port = free_port()
-        procs = [ctx.Process(target=_entry, args=(r, world_size, port, out, fn, args, timeout_s))
+        procs = [ctx.Process(target=_entry, args=(r, world_size, out, fn, args, timeout_s))
                  for r in range(world_size)]  # fmt: skip
         for p in procs:
             p.start()
