@@ -79,13 +79,8 @@ def _not_found(title: str, message: str) -> HTMLResponse:
 
 def _run_ids(raw: list[str]) -> list[str]:
     """`?runs=a,b&runs=c` -> [a, b, c]: commas and repeats both work; order kept, no repeats."""
-    out: list[str] = []
-    for part in raw:
-        for rid in part.split(","):
-            rid = rid.strip()
-            if rid and rid not in out:
-                out.append(rid)
-    return out
+    ids = (rid.strip() for part in raw for rid in part.split(","))
+    return list(dict.fromkeys(rid for rid in ids if rid))  # linear, not quadratic, in the ids
 
 
 # -- static files -------------------------------------------------------------------------------
@@ -192,7 +187,13 @@ def _view(db: Any, settings: Any, run_id: str) -> RunView | None:
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
 async def run_page(run_id: str, db: DbDep, settings: SettingsDep) -> HTMLResponse:
     """One run: step breakdown, collectives, memory, offload, training signals, ranks."""
-    view = await run_in_threadpool(_view, db, settings, run_id)
+    # Queries, figures and the template are CPU work: off the event loop, so ingest and
+    # /metrics are not held up while a page is built.
+    return await run_in_threadpool(_run_page, db, settings, run_id)
+
+
+def _run_page(db: Any, settings: Any, run_id: str) -> HTMLResponse:
+    view = _view(db, settings, run_id)
     if view is None:
         return _not_found("Run not found", f"No run with id {run_id!r} is stored here.")
     figures = run_figs.figures(view)
@@ -229,7 +230,11 @@ async def run_figures(
     since: Annotated[int, Query(ge=-1, le=2**62)] = -1,
 ) -> JSONResponse:
     """A run's figures for a live page: new figures only when steps after `since` arrived."""
-    view = await run_in_threadpool(_view, db, settings, run_id)
+    return await run_in_threadpool(_run_figures, db, settings, run_id, since)
+
+
+def _run_figures(db: Any, settings: Any, run_id: str, since: int) -> JSONResponse:
+    view = _view(db, settings, run_id)
     if view is None:
         return JSONResponse({"detail": f"run {run_id!r} not found"}, status_code=404)
     status = view.run["status"]
@@ -270,7 +275,11 @@ async def compare_page(
 ) -> HTMLResponse:
     """Runs side by side: model-state bytes, bytes communicated, phases, throughput."""
     ids = _run_ids(runs or [])[:MAX_COMPARE]
-    found, missing = await run_in_threadpool(_summaries, db, settings, ids)
+    return await run_in_threadpool(_compare_page, db, settings, ids)
+
+
+def _compare_page(db: Any, settings: Any, ids: list[str]) -> HTMLResponse:
+    found, missing = _summaries(db, settings, ids)
     summaries = [s for _, s in found]
     figures = compare_figs.figures(summaries) if summaries else {}
     rows = [
