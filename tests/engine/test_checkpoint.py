@@ -94,3 +94,28 @@ def test_save_16bit_model_writes_full_bf16_weights_on_rank_zero(
     assert set(saved) == set(plain)
     for k, v in saved.items():
         assert v.shape == plain[k].shape and v.dtype == torch.bfloat16, k
+
+
+def _load_with_a_file_missing_on_rank_one(rank: int, world: int, root: str) -> str:
+    engine, *_ = zerowatch.initialize(model=make_model(), config=ds_config(2))
+    engine.save_checkpoint(root, tag="t")
+    engine.comm.barrier()
+    if rank == 0:
+        (Path(root) / "t" / "zero_rank1.pt").unlink()
+    engine.comm.barrier()
+    try:
+        engine.load_checkpoint(root, tag="t")
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_load_fails_every_rank_instead_of_leaving_them_waiting(
+    tmp_path: Path,
+) -> None:
+    # Without the agreement rank 0 waits in the next collective for as long as rank 1 lives,
+    # then fails with a connection error that does not say why.
+    r0, r1 = run_ranks(_load_with_a_file_missing_on_rank_one, 2, str(tmp_path), timeout_s=30)
+    assert r1.startswith("FileNotFoundError: load_checkpoint:") and "zero_rank1.pt" in r1
+    assert r0.startswith("RuntimeError: load_checkpoint: rank 1 could not load:"), r0

@@ -61,7 +61,8 @@ def save(engine: ZeroEngine, save_dir: str | Path, tag: str | None = None) -> st
     return str(path)
 
 
-def load(engine: ZeroEngine, load_dir: str | Path, tag: str | None = None) -> str:
+def _read(engine: ZeroEngine, load_dir: str | Path, tag: str | None) -> tuple[Path, Any]:
+    """This rank's checkpoint file, checked against the engine."""
     if tag is None:
         latest = Path(load_dir) / "latest"
         if not latest.exists():
@@ -78,6 +79,24 @@ def load(engine: ZeroEngine, load_dir: str | Path, tag: str | None = None) -> st
     if state["layout"] != _layout(engine):
         raise ValueError(f"load_checkpoint: {path} was saved for a different model or bucket "
                          "layout")  # fmt: skip
+    return path, state
+
+
+def load(engine: ZeroEngine, load_dir: str | Path, tag: str | None = None) -> str:
+    # The ranks agree on whether every one of them could read its file before any goes on:
+    # a rank that raised alone would leave the others waiting in the next collective.
+    error: Exception | None = None
+    try:
+        path, state = _read(engine, load_dir, tag)
+    except Exception as e:
+        error = e
+    errors = engine.comm.all_gather_object(None if error is None else str(error))
+    if error is not None:
+        raise error
+    failed = [(r, msg) for r, msg in enumerate(errors) if msg is not None]
+    if failed:
+        rank, msg = failed[0]
+        raise RuntimeError(f"load_checkpoint: rank {rank} could not load: {msg}")
     with torch.no_grad():
         for m, saved in zip(engine.masters.masters, state["masters"], strict=True):
             m.param.copy_(saved)
