@@ -20,25 +20,29 @@ COLLECTIVES = {
 }  # fmt: skip
 
 
+#: The modules that define the collective functions.
+MODULES = {"torch.distributed", "torch.distributed.distributed_c10d"}
+
+
 def _violations(path: Path) -> list[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
-    aliases = set()  # names bound to the torch.distributed module
+    aliases = set(MODULES)  # names bound to a module that defines the collectives
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
-                if a.name == "torch.distributed" and a.asname:
+                if a.name in MODULES and a.asname:
                     aliases.add(a.asname)
         elif isinstance(node, ast.ImportFrom):
             for a in node.names:
-                if node.module == "torch" and a.name == "distributed":
+                if f"{node.module}.{a.name}" in MODULES:
                     aliases.add(a.asname or a.name)
-                if node.module == "torch.distributed" and a.name in COLLECTIVES:
+                if node.module in MODULES and a.name in COLLECTIVES:
                     found.append(f"{path}:{node.lineno}: imports {a.name}")
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES:
             base = ast.unparse(node.value)
-            if base in aliases or base == "torch.distributed":
+            if base in aliases:
                 found.append(f"{path}:{node.lineno}: {base}.{node.attr}")
     return found
 
@@ -56,6 +60,10 @@ def test_no_module_but_comm_calls_torch_distributed_collectives() -> None:
 def test_the_check_catches_a_direct_call(tmp_path: Path) -> None:
     src = tmp_path / "rogue.py"
     src.write_text("import torch.distributed as dist\ndist.all_reduce(t)\n"
-                   "from torch.distributed import barrier\n")  # fmt: skip
-    assert len(_violations(src)) == 2
+                   "from torch.distributed import barrier\n"
+                   "import torch.distributed.distributed_c10d as c10d\nc10d.broadcast(t, 0)\n"
+                   "from torch.distributed import distributed_c10d\n"
+                   "distributed_c10d.all_gather_into_tensor(a, b)\n"
+                   "torch.distributed.reduce_scatter_tensor(a, b)\n")  # fmt: skip
+    assert len(_violations(src)) == 5
     assert _violations(ROOT / "zerowatch/engine/comm.py")  # the allowed file does call them
