@@ -43,6 +43,27 @@ def dumps(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
 
+def _fields(obj: Any) -> dict[str, Any]:
+    if not hasattr(obj, "__dataclass_fields__"):
+        raise TypeError(f"cannot encode {type(obj).__name__} as JSON")
+    return {name: getattr(obj, name) for name in obj.__dataclass_fields__}
+
+
+#: json's C encoder walks the lists, dicts and numbers itself and asks `_fields` only for
+#: each dataclass (the event, its CollectiveStats, MemoryStats, Spans).
+_ENCODER = json.JSONEncoder(
+    separators=(",", ":"), allow_nan=False, check_circular=False, default=_fields
+)
+
+
+def encode(obj: Any) -> bytes:
+    """`dumps(to_dict(obj))` in one pass, a third cheaper (the shipper runs it for every
+    event); raises ValueError on NaN/inf."""
+    if not dataclasses.is_dataclass(obj):
+        raise TypeError(f"expected a wire dataclass, got {type(obj).__name__}")
+    return _ENCODER.encode(obj).encode()
+
+
 def batch_body(run_id: str, event_lines: list[bytes]) -> bytes:
     """The gzip-compressed EventBatch body built from already-encoded events."""
     head = b'{"schema_version":%d,"run_id":%s,"events":[' % (
@@ -54,4 +75,4 @@ def batch_body(run_id: str, event_lines: list[bytes]) -> bytes:
     return gzip.compress(raw, compresslevel=1)
 
 
-__all__ = ["batch_body", "dumps", "to_dict"]
+__all__ = ["batch_body", "dumps", "encode", "to_dict"]

@@ -221,7 +221,7 @@ class Transport:
 
     def _encode(self, event: Any) -> bytes | None:
         try:
-            return codec.dumps(codec.to_dict(event))
+            return codec.encode(event)
         except Exception as e:
             self._health.error("encoding an event", e)
             self._health.drop(1, "an event could not be encoded")
