@@ -111,7 +111,20 @@ def _launch(
         "--tag", tag, "--name", f"demo-stage{stage}", "--project", "demo",
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen(cmd, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env=env)
+    with log_path.open("wb") as log:  # the child holds its own copy of the descriptor
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
+    """Stop a torchrun launch by its pid: SIGINT (it stops its workers), then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _stored_steps(client: httpx.Client, sr: StageRun) -> int:
@@ -207,9 +220,13 @@ def run_demo(
                 task = progress.add_task(f"ZeRO-{sr.stage} x{world_size} ranks", total=steps)
                 proc = _launch(sr.stage, sr.tag, world_size=world_size, steps=steps,
                                server=url, log_path=sr.log_path)  # fmt: skip
-                while proc.poll() is None:
-                    progress.update(task, completed=_stored_steps(client, sr))
-                    time.sleep(0.5)
+                try:
+                    while proc.poll() is None:
+                        progress.update(task, completed=_stored_steps(client, sr))
+                        time.sleep(0.5)
+                except BaseException:  # Ctrl-C or an error here: leave no training behind
+                    _stop(proc)
+                    raise
                 sr.returncode = proc.returncode
                 # The agents flush at close; give the last batch a moment to land.
                 deadline = time.monotonic() + 10
