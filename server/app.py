@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -27,6 +27,7 @@ from sqlalchemy.exc import OperationalError
 from starlette.concurrency import run_in_threadpool
 from zerowatch.server import api, queries
 from zerowatch.server.db import Database
+from zerowatch.server.deps import require_read
 from zerowatch.server.ingest import Ingestor
 from zerowatch.server.live import LiveCache
 from zerowatch.server.metrics import exposition
@@ -197,7 +198,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return JSONResponse({"status": "error", "database": str(e)[:200]}, status_code=503)  # type: ignore[return-value]
         return {"status": "ok", "database": db.dialect, "version": zerowatch.__version__}
 
-    @app.get("/metrics", tags=["metrics"], response_class=Response)
+    # /metrics names runs and projects: a read, closed with the others by read_requires_token
+    # (Prometheus then sends the token: `authorization: {credentials: <token>}`).
+    @app.get(
+        "/metrics",
+        tags=["metrics"],
+        response_class=Response,
+        dependencies=[Depends(require_read)],
+    )
     def metrics() -> Response:
         """Prometheus text exposition of the live runs."""
         body = exposition(

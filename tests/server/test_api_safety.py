@@ -200,6 +200,11 @@ def test_reads_can_require_the_token(tmp_path: Path) -> None:
         assert c.get("/api/v1/runs").status_code == 401
         assert c.get("/api/v1/runs", headers={"Authorization": "Bearer bad"}).status_code == 403
         assert c.get("/api/v1/runs", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        # /metrics names runs and projects: closed with the other reads
+        assert c.get("/metrics").status_code == 401
+        assert c.get("/metrics", headers={"Authorization": "Bearer bad"}).status_code == 403
+        ok = c.get("/metrics", headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200 and ok.text.startswith("# HELP")
         assert c.get("/healthz").status_code == 200
 
 
