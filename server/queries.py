@@ -952,12 +952,14 @@ def latest_steps(*, db: Database, run_id: str) -> list[ev.StepEvent]:
             for r in conn.execute(select(s).where(s.c.run == pk, s.c.step.in_(wanted))).all()
             if last.get(r.rank) == r.step
         ]
+        # The collectives by each of those steps' primary key (run, rank, seq): read by step,
+        # SQLite without statistics scans every collective row of the run instead.
+        coll_rows: list[Any] = []
+        for r in rows:
+            key = (c.c.run == pk, c.c.rank == r.rank, c.c.seq == r.seq)
+            coll_rows.extend(conn.execute(select(c).where(*key, c.c.op.in_(ev.COLLECTIVE_OPS))))
         colls: dict[tuple[int, int], list[ev.CollectiveStats]] = defaultdict(list)
-        for r in conn.execute(
-            select(c).where(c.c.run == pk, c.c.op.in_(ev.COLLECTIVE_OPS), c.c.step.in_(wanted))
-        ).all():
-            if last.get(r.rank) != r.step:
-                continue
+        for r in coll_rows:
             colls[(r.rank, r.seq)].append(
                 ev.CollectiveStats(
                     op=r.op,

@@ -86,12 +86,23 @@ def test_a_restarted_server_exposes_live_runs_again(tmp_path: Path) -> None:
     settings = Settings(db_url=f"sqlite:///{tmp_path / 'z.db'}")
     with TestClient(create_app(settings)) as client:
         rid = create_sim_run(client, SPEC)
-        for evs in simulate.steps(SPEC, 3):
+        batches = list(simulate.steps(SPEC, 3))
+        for evs in batches:
             post_events(client, rid, evs)
     with TestClient(create_app(settings)) as client:
         s = _samples(client.get("/metrics").text)
         assert {x.labels["rank"] for x in s["zerowatch_step_time_seconds"]} == {"0", "1"}
         assert s["zerowatch_run_running"][0].labels["run"] == rid
+        # the newest step comes back whole, its collectives too
+        newest = {e.rank: e for e in batches[-1]}
+        ops = {(x.labels["rank"], x.labels["op"])
+               for x in s["zerowatch_collective_bus_bandwidth_bytes_per_second"]}  # fmt: skip
+        assert ops == {(str(r), c.op) for r, e in newest.items() for c in e.collectives}
+        counts = {(x.labels["rank"], x.labels["op"]): x.value
+                  for x in s["zerowatch_collective_latency_seconds_count"]}  # fmt: skip
+        assert counts[("1", "all_gather")] == sum(
+            c.count for c in newest[1].collectives if c.op == "all_gather"
+        )
 
 
 def test_a_run_killed_without_its_end_event_is_forgotten_after_a_day() -> None:
