@@ -175,7 +175,10 @@ def _refine(view: RunView, run_id: str, figures: dict[str, Any]) -> list[dict[st
     steps = view.steps
     if "training" not in figures or not steps or len(steps) >= steps[-1] - steps[0] + 1:
         return []
-    url = f"/api/v1/runs/{quote(run_id, safe='')}/series?metric=grad_norm&rank=0&max_points=1000"
+    url = (
+        f"/api/v1/runs/{quote(run_id, safe='')}/series"
+        f"?metric=grad_norm&rank=0&max_points={page_queries.MAX_POINTS}"
+    )
     return [{"chart": "training", "trace": 0, "url": url}]
 
 

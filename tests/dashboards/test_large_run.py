@@ -75,7 +75,9 @@ def test_run_page_of_a_million_rank_steps_renders_in_under_2s(big_server, probe)
     )
     norms = probe.page.evaluate("() => document.getElementById('chart-training').data[0].y")
     spikes = sum(1 for v in norms if v > 10)
-    assert len(norms) > MAX_POINTS and spikes >= len(norms) // 3, (len(norms), spikes)
+    # Still at most MAX_POINTS points (whenever the test reads the charts), yet a third of
+    # them are spikes: every bucket kept its maximum.
+    assert 0 < len(norms) <= MAX_POINTS and spikes >= len(norms) // 3, (len(norms), spikes)
     assert probe.errors == []
 
 
