@@ -47,6 +47,16 @@ def _parse_constant(name: str) -> Any:
     raise BodyError(f"{name} is not allowed: numbers must be finite")
 
 
+def _has_nul(obj: Any) -> bool:
+    if isinstance(obj, str):
+        return "\x00" in obj
+    if isinstance(obj, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return any(_has_nul(v) for v in obj)
+    return False
+
+
 def _check_strings(obj: Any) -> None:
     json.dumps(obj, ensure_ascii=False).encode("utf-8")
 
@@ -57,11 +67,13 @@ def loads_strict(raw: bytes) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BodyError(f"body is not UTF-8 (byte {e.start})") from None
-    if "\\u0000" in text:
-        raise BodyError("strings must not contain NUL characters (\\u0000)")
     obj = json.loads(
         text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant
     )
+    # The text test is cheap and rare; only then look at the parsed strings (an escaped
+    # backslash followed by "u0000" is legal text, not a NUL).
+    if "\\u0000" in text and _has_nul(obj):
+        raise BodyError("strings must not contain NUL characters (\\u0000)")
     if _SURROGATE.search(text):
         try:
             _check_strings(obj)
