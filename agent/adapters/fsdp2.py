@@ -14,6 +14,12 @@ FSDP2 has no engine object: the root module and the optimizer are the public sur
     step            from the first forward of an accumulation cycle to the end of the
                     optimizer step; gradient clipping and anything else the script does
                     between backward and step is in the step but in no phase (`other`)
+    grad norm       `torch.nn.utils.clip_grad_norm_` (also reached as
+                    `torch.nn.utils.clip_grad.clip_grad_norm_`) is wrapped while a run is
+                    open: the total norm it returns for a call made between the step's
+                    start and the optimizer step is the step's grad norm (pre-clip), and
+                    `clipped` is norm > max_norm. A script that does not clip has no grad
+                    norm (FSDP2 computes none on its own).
 
 Collectives come from `dist_wrap`: FSDP2 calls `all_gather_single` (parameter all-gather,
 forward and backward: param_fetch) and `reduce_scatter_single` (gradients: grad_reduce),
@@ -37,13 +43,18 @@ import sys
 import warnings
 from typing import Any
 
-from zerowatch.agent.adapters import dist_wrap
+from zerowatch.agent.adapters import clip_watch, dist_wrap
 from zerowatch.agent.adapters.base import JobInfo, StepStats
 from zerowatch.agent.adapters.foreign import PhaseBoard, TensorCensus, optimizer_state_tensors
 from zerowatch.agent.adapters.zerowatch_engine import _finite_or_none
 
 from zerowatch import theory
 
+#: The start of the warning torch.utils.hooks gives when a module's full backward hook
+#: fires on its outputs' gradients because none of its inputs requires one.
+_BACKWARD_HOOK_NOTE = (
+    "Full backward hook is firing when gradients are computed with respect to module outputs"
+)
 _DTYPE_PRECISION = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
 
 
@@ -94,6 +105,9 @@ class FSDP2Adapter:
         self._handles: list[Any] = []
         self._in_backward = False
         self._end_queued = False
+        #: (total norm, max_norm) of the last clip_grad_norm_ call in the current step.
+        self._clip: tuple[Any, float] | None = None
+        self._quiet: Any = None  # the open warnings.catch_warnings, see _install
 
     # -- the job ---------------------------------------------------------------------------
 
@@ -203,7 +217,21 @@ class FSDP2Adapter:
             for handle in self._handles:
                 handle.remove()
             self._handles = []
+            clip_watch.unwatch(self._on_clip)
+            self._unquiet()
             self._in_backward = self._end_queued = False
+            self._clip = None
+
+    def _on_clip(self, total_norm: Any, max_norm: Any) -> None:
+        """A clip_grad_norm_ call: kept when made inside the step, before the optimizer
+        step (the last such call of the step wins)."""
+        if self.board.in_step and not self.board.is_open("optimizer_step"):
+            self._clip = (total_norm, float(max_norm))
+
+    def _unquiet(self) -> None:
+        if self._quiet is not None:
+            quiet, self._quiet = self._quiet, None
+            quiet.__exit__(None, None, None)
 
     def _install(self) -> None:
         import torch
@@ -211,23 +239,29 @@ class FSDP2Adapter:
         from torch.utils._pytree import tree_leaves
 
         board = self.board
-        # The backward pre-hook is ours, not the user's: torch's note that it fires on the
-        # outputs' gradients (the inputs need none) is expected here.
-        warnings.filterwarnings(
-            "ignore", message="Full backward hook is firing when gradients are computed with "
-            "respect to module outputs", category=UserWarning,
-        )  # fmt: skip
 
         def backward_done() -> None:
+            self._unquiet()
             self._in_backward = self._end_queued = False
             board.end("backward")
 
         def backward_begins(_module: Any, _grad_output: Any) -> None:
+            # The backward pre-hook is ours, not the user's: torch's note that it fires on
+            # the outputs' gradients (the inputs need none) comes right after this returns,
+            # from the same torch hook. It is silenced from here until the next thing that
+            # runs, the gradient reaching the outputs (`queue_backward_end`), and nowhere
+            # else: the user's filters are untouched outside that window.
+            if self._quiet is None:
+                self._quiet = warnings.catch_warnings()
+                self._quiet.__enter__()
+                warnings.filterwarnings("ignore", message=_BACKWARD_HOOK_NOTE,
+                                        category=UserWarning)  # fmt: skip
             if not self._in_backward:
                 self._in_backward = True
                 board.start("backward")
 
         def queue_backward_end(grad: Any) -> Any:
+            self._unquiet()
             if self._in_backward and not self._end_queued:
                 self._end_queued = True
                 Variable._execution_engine.queue_callback(backward_done)
@@ -240,7 +274,10 @@ class FSDP2Adapter:
                         t.register_hook(hook)
 
         def pre_forward(_module: Any, _args: Any) -> None:
+            self._unquiet()
             if torch.is_grad_enabled():  # an evaluation forward is no part of a step
+                if not board.in_step:
+                    self._clip = None  # a new step: no clip_grad_norm_ call seen yet
                 board.begin_forward()
 
         def post_forward(_module: Any, _args: Any, output: Any) -> None:
@@ -252,8 +289,9 @@ class FSDP2Adapter:
             board.start("optimizer_step")
 
         def post_step(_opt: Any, _args: Any, _kwargs: Any) -> None:
+            self._unquiet()
             board.end("optimizer_step")
-            board.finish_step()
+            board.finish_step()  # the step's stats are read here; kept until the next step
 
         self._handles = [
             self.model.register_forward_pre_hook(pre_forward, prepend=True),
@@ -264,6 +302,7 @@ class FSDP2Adapter:
             self.optimizer.register_step_pre_hook(pre_step),
             self.optimizer.register_step_post_hook(post_step),
         ]
+        clip_watch.watch(self._on_clip)
 
     # -- per step --------------------------------------------------------------------------
 
@@ -280,7 +319,17 @@ class FSDP2Adapter:
     def step_stats(self) -> StepStats:
         groups = _group(self.optimizer) or []
         lr = _finite_or_none(groups[0].get("lr")) if groups else None
-        return StepStats(lr=lr)
+        if self._clip is None:
+            return StepStats(lr=lr)
+        total_norm, max_norm = self._clip
+        raw = clip_watch.norm_value(total_norm)
+        norm = _finite_or_none(raw)
+        return StepStats(
+            grad_norm=norm,
+            clipped=norm is not None and norm > max_norm,
+            lr=lr,
+            nonfinite=raw is not None and norm is None,
+        )
 
     # -- start-up collectives --------------------------------------------------------------
 
