@@ -45,7 +45,7 @@ from zerowatch.agent.probes import (
 
 from zerowatch import events as ev
 
-_TOP = frozenset(TOP_LEVEL)
+_STEP_OR_TOP = frozenset(("step", *TOP_LEVEL))
 #: Ended steps whose CUDA timings are not in yet, kept at most.
 _MAX_WAITING = 256
 
@@ -146,22 +146,24 @@ class StepRecorder:
 
     def on_phase_start(self, phase: str, t: float) -> None:
         try:
-            if phase == "step":
+            if phase not in _STEP_OR_TOP:  # the many nested ones: param_gather, grad_reduce
+                self._timer.start(phase, t)
+            elif phase == "step":
                 self._begin_step(t)
-                return
-            self._timer.start(phase, t)
-            if phase in _TOP:
+            else:
+                self._timer.start(phase, t)
                 self._memory.phase_start(phase)
         except Exception as e:
             self._health.error(f"recording the start of phase {phase!r}", e)
 
     def on_phase_end(self, phase: str, t: float) -> None:
         try:
-            if phase == "step":
+            if phase not in _STEP_OR_TOP:
+                self._timer.end(phase, t)
+            elif phase == "step":
                 self._end_step(t)
-                return
-            self._timer.end(phase, t)
-            if phase in _TOP:
+            else:
+                self._timer.end(phase, t)
                 self._memory.phase_end(phase)
         except Exception as e:
             self._health.error(f"recording the end of phase {phase!r}", e)
