@@ -70,20 +70,27 @@ def model_state(runs: Sequence[RunSummary]) -> go.Figure:
                 hovertemplate="%{y:.4~f} GiB",
             )
         )
-    theory = [sum(r.model_state_theory.values()) or None for r in runs]
+    _theory_diamonds(fig, x, [sum(r.model_state_theory.values()) for r in runs],
+                     name="ZeRO theory (total)", unit="GiB")  # fmt: skip
+    fig.update_layout(barmode="stack", yaxis={"title": {"text": "bytes per rank (GiB)"}})
+    return fig
+
+
+def _theory_diamonds(fig: go.Figure, x: list[str], totals: list[int], *, name: str,
+                     unit: str) -> None:  # fmt: skip
+    """The theoretical total of each run as a diamond over its bar (none when unknown)."""
+    theory = [t or None for t in totals]
     if any(theory):
         fig.add_trace(
             go.Scatter(
                 x=x,
                 y=th.scaled(theory, th.GIB),
-                name="ZeRO theory (total)",
+                name=name,
                 mode="markers",
                 marker={"symbol": "diamond", "size": 12, "color": th.THEORY_COLOR},
-                hovertemplate="theory %{y:.4~f} GiB",
+                hovertemplate=f"theory %{{y:.4~f}} {unit}",
             )
         )
-    fig.update_layout(barmode="stack", yaxis={"title": {"text": "bytes per rank (GiB)"}})
-    return fig
 
 
 def comm_bytes(runs: Sequence[RunSummary]) -> go.Figure:
@@ -100,18 +107,8 @@ def comm_bytes(runs: Sequence[RunSummary]) -> go.Figure:
                 hovertemplate="%{y:.4~f} GiB per step",
             )
         )
-    theory = [sum(r.comm_bytes_theory.values()) or None for r in runs]
-    if any(theory):
-        fig.add_trace(
-            go.Scatter(
-                x=x,
-                y=th.scaled(theory, th.GIB),
-                name="ZeRO theory",
-                mode="markers",
-                marker={"symbol": "diamond", "size": 12, "color": th.THEORY_COLOR},
-                hovertemplate="theory %{y:.4~f} GiB per step",
-            )
-        )
+    _theory_diamonds(fig, x, [sum(r.comm_bytes_theory.values()) for r in runs],
+                     name="ZeRO theory", unit="GiB per step")  # fmt: skip
     fig.update_layout(barmode="stack", yaxis={"title": {"text": "bytes per step (GiB)"}})
     return fig
 
