@@ -37,6 +37,10 @@ def _not_found(run_id: str) -> HTTPException:
     return HTTPException(404, f"run {run_id!r} not found")
 
 
+def _unknown_metric(e: queries.UnknownMetric) -> HTTPException:
+    return HTTPException(422, [{"type": "value_error", "loc": ["query", "metric"], "msg": str(e)}])
+
+
 def _unprocessable(e: store.BatchError) -> HTTPException:
     return HTTPException(422, [{"type": "value_error", "loc": list(e.loc), "msg": e.msg}])
 
@@ -202,9 +206,7 @@ def series(
             step_to=step_to,
         )
     except queries.UnknownMetric as e:
-        raise HTTPException(
-            422, [{"type": "value_error", "loc": ["query", "metric"], "msg": str(e)}]
-        ) from None
+        raise _unknown_metric(e) from None
     if out is None:
         raise _not_found(run_id)
     return out
@@ -235,9 +237,7 @@ def heatmap(
     try:
         out = queries.rank_heatmap(db=db, run_id=run_id, metric=metric, max_steps=max_steps)
     except queries.UnknownMetric as e:
-        raise HTTPException(
-            422, [{"type": "value_error", "loc": ["query", "metric"], "msg": str(e)}]
-        ) from None
+        raise _unknown_metric(e) from None
     if out is None:
         raise _not_found(run_id)
     return out
