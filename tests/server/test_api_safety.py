@@ -255,3 +255,13 @@ def test_a_replay_or_a_second_create_carrying_other_values_changes_nothing_store
     run_after = client.get(f"/api/v1/runs/{run_id}").json()
     for key in ("name", "project", "tags", "config", "ranks", "world_size", "zero_stage"):
         assert run_after[key] == run_before[key], key
+
+
+@pytest.mark.parametrize("path", ["series", "heatmap"])
+def test_an_unknown_series_metric_is_a_422_naming_the_metric(
+    client: TestClient, run_id: str, path: str
+) -> None:
+    r = client.get(f"/api/v1/runs/{run_id}/{path}", params={"metric": "teleport_s"})
+    assert r.status_code == 422
+    assert r.json()["detail"][0]["loc"] == ["query", "metric"]
+    assert "teleport_s" in r.json()["detail"][0]["msg"]
