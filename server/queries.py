@@ -211,20 +211,26 @@ def list_runs(
     out = []
     with db.read() as conn:
         for row in conn.execute(q).all():
-            run = _run_dict(row, now=now, stalled_after_s=stalled_after_s)
-            run["ranks"] = _ranks(conn, row.id)
-            run["steps"] = max((x["steps"] for x in run["ranks"]), default=0)
-            run.update(
-                _recent(
-                    conn,
-                    row.id,
-                    ranks=run["ranks"],
-                    world_size=row.world_size,
-                    recent_steps=recent_steps,
-                )
-            )
-            out.append(run)
+            out.append(
+                _full_run(conn, row, now=now, stalled_after_s=stalled_after_s,
+                          recent_steps=recent_steps)
+            )  # fmt: skip
     return out
+
+
+def _full_run(
+    conn: Any, row: Any, *, now: float, stalled_after_s: float, recent_steps: int
+) -> dict[str, Any]:
+    """The run resource of one runs-table row: its fields, ranks and recent summary."""
+    run = _run_dict(row, now=now, stalled_after_s=stalled_after_s)
+    run["ranks"] = _ranks(conn, row.id)
+    run["steps"] = max((x["steps"] for x in run["ranks"]), default=0)
+    run.update(
+        _recent(
+            conn, row.id, ranks=run["ranks"], world_size=row.world_size, recent_steps=recent_steps
+        )
+    )
+    return run
 
 
 def get_run(
@@ -241,19 +247,8 @@ def get_run(
         row = conn.execute(_run_select().where(m.runs.c.run_id == run_id)).first()
         if row is None:
             return None
-        run = _run_dict(row, now=now, stalled_after_s=stalled_after_s)
-        run["ranks"] = _ranks(conn, row.id)
-        run["steps"] = max((x["steps"] for x in run["ranks"]), default=0)
-        run.update(
-            _recent(
-                conn,
-                row.id,
-                ranks=run["ranks"],
-                world_size=row.world_size,
-                recent_steps=recent_steps,
-            )
-        )
-        return run
+        return _full_run(conn, row, now=now, stalled_after_s=stalled_after_s,
+                         recent_steps=recent_steps)  # fmt: skip
 
 
 def live_runs(*, db: Database, since: float) -> list[dict[str, Any]]:
