@@ -22,6 +22,7 @@ from support.foreign_jobs import (
     DEEPSPEED_ACCUMULATION,
     DEEPSPEED_CONFIGS,
     deepspeed_worker,
+    job_run_id,
     run_job,
     server_run,
     server_series,
@@ -52,17 +53,11 @@ def job(server: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             os.environ["DS_ACCELERATOR"] = saved
 
 
-def _run_id(job: Any, config: str) -> str:
-    ids = {ranks[config]["run_id"] for ranks in job}
-    assert len(ids) == 1, f"ranks disagree on the run id: {ids}"
-    return ids.pop()
-
-
 @pytest.mark.parametrize("config", CONFIGS)
 def test_every_step_of_every_rank_reaches_the_server(
     job: Any, server: LiveServer, config: str
 ) -> None:
-    run = server_run(server.api, _run_id(job, config))
+    run = server_run(server.api, job_run_id(job, config))
     ranks = sorted(run["ranks"], key=lambda r: r["rank"])
     assert [(r["rank"], r["steps"], r["last_step"]) for r in ranks] == [
         (0, STEPS, STEPS - 1),
@@ -75,7 +70,7 @@ def test_every_step_of_every_rank_reaches_the_server(
 def test_run_records_deepspeed_version_config_and_theory(
     job: Any, server: LiveServer, config: str
 ) -> None:
-    run = server_run(server.api, _run_id(job, config))
+    run = server_run(server.api, job_run_id(job, config))
     zero = DEEPSPEED_CONFIGS[config]
     assert run["engine"] == "deepspeed"
     assert run["engine_info"]["version"] == deepspeed.__version__
@@ -93,7 +88,7 @@ def test_run_records_deepspeed_version_config_and_theory(
 def test_reported_collective_bytes_equal_what_the_engine_sent(
     job: Any, server: LiveServer, config: str
 ) -> None:
-    run_id = _run_id(job, config)
+    run_id = job_run_id(job, config)
     for op in OPS:
         stored = server_series(server.api, run_id, f"collective.{op}.bytes", STEPS)
         for rank in (0, 1):
@@ -116,7 +111,7 @@ def test_phase_times_agree_with_deepspeed_wall_clock_timers(
     step agrees within 10%. (A single step can differ by milliseconds when the process
     is descheduled between zerowatch's hook and DeepSpeed's timer call on a busy machine;
     the median is robust to that, a sum over a few steps is not.)"""
-    run_id = _run_id(job, config)
+    run_id = job_run_id(job, config)
     for phase, timer in (("forward", "fwd"), ("backward", "bwd"), ("optimizer_step", "step")):
         stored = server_series(server.api, run_id, f"phase.{phase}", STEPS)
         for rank in (0, 1):
@@ -155,7 +150,7 @@ def test_model_state_is_measured_beside_the_theory(
     theory. Two differences are DeepSpeed's: it keeps an fp32 master partition even when
     training in fp32 (the model counts none: there the fp32 parameters are the master), and
     stages 1-2 free their gradients inside engine.step(), before the step's end."""
-    run_id = _run_id(job, config)
+    run_id = job_run_id(job, config)
     theory = job[0][config]["theory"]
     for kind, expected in MEASURED[config].items():
         stored = server_series(server.api, run_id, f"memory.state.{kind}", STEPS)

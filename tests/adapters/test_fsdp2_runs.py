@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from support.foreign_jobs import (
     fsdp2_worker,
+    job_run_id,
     run_job,
     server_collective_purposes,
     server_run,
@@ -35,17 +36,11 @@ def job(server: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     yield run_job(fsdp2_worker, Path(out), server=server.url, configs=CONFIGS, steps=STEPS)
 
 
-def _run_id(job: Any, config: str) -> str:
-    ids = {rank[config]["run_id"] for rank in job}
-    assert len(ids) == 1, f"ranks disagree on the run id: {ids}"
-    return ids.pop()
-
-
 @pytest.mark.parametrize("config", CONFIGS)
 def test_every_step_of_every_rank_reaches_the_server(
     job: Any, server: LiveServer, config: str
 ) -> None:
-    run = server_run(server.api, _run_id(job, config))
+    run = server_run(server.api, job_run_id(job, config))
     ranks = sorted(run["ranks"], key=lambda r: r["rank"])
     assert [(r["rank"], r["steps"], r["last_step"]) for r in ranks] == [
         (0, STEPS, STEPS - 1),
@@ -58,7 +53,7 @@ def test_every_step_of_every_rank_reaches_the_server(
 def test_run_records_fsdp2_mesh_and_mixed_precision_policy(
     job: Any, server: LiveServer, config: str
 ) -> None:
-    run = server_run(server.api, _run_id(job, config))
+    run = server_run(server.api, job_run_id(job, config))
     assert run["engine"] == "fsdp2" and run["zero_stage"] == 3 and run["precision"] == config
     assert run["engine_info"]["mesh"] == {
         "device_type": "cpu", "shape": [2], "dim_names": [], "ranks": [0, 1],
@@ -77,7 +72,7 @@ def test_run_records_fsdp2_mesh_and_mixed_precision_policy(
 def test_reported_collective_bytes_equal_what_fsdp2_sent(
     job: Any, server: LiveServer, config: str
 ) -> None:
-    run_id = _run_id(job, config)
+    run_id = job_run_id(job, config)
     for op in OPS:
         stored = server_series(server.api, run_id, f"collective.{op}.bytes", STEPS)
         for rank in (0, 1):
@@ -97,7 +92,7 @@ def test_reported_collective_bytes_equal_what_fsdp2_sent(
 @pytest.mark.parametrize("config", CONFIGS)
 def test_phases_partition_the_step(job: Any, server: LiveServer, config: str) -> None:
     """Forward, backward and optimizer_step ran every step, inside the step's time."""
-    run_id = _run_id(job, config)
+    run_id = job_run_id(job, config)
     step_time = server_series(server.api, run_id, "step_time_s", STEPS)
     phases = {p: server_series(server.api, run_id, f"phase.{p}", STEPS)
               for p in ("forward", "backward", "optimizer_step")}  # fmt: skip
@@ -112,7 +107,7 @@ def test_phases_partition_the_step(job: Any, server: LiveServer, config: str) ->
 def test_all_gathers_are_parameter_fetches_and_reduce_scatters_gradient_reduction(
     job: Any, server: LiveServer, config: str
 ) -> None:
-    run_id = _run_id(job, config)
+    run_id = job_run_id(job, config)
     counts = server_series(server.api, run_id, "collective.all_gather.count", STEPS)
     assert counts[0] == counts[1] == [8.0] * STEPS  # 4 layers, in forward and in backward
     purposes = server_collective_purposes(server.api, run_id)
@@ -126,7 +121,7 @@ def test_model_state_is_the_local_shards_and_optimizer_state(
     """fp32: params, grads and optimizer states are the ZeRO-3 shards, equal to the theory.
     bf16: the fp32 shards are the master weights (equal to the theory); gradients stay fp32
     (twice the model's bf16 gradients); no low-precision parameter is held at rest."""
-    run_id = _run_id(job, config)
+    run_id = job_run_id(job, config)
     shard = math.ceil(PSI / 2)
     expected = {"grads": 4 * shard, "optimizer_states": 8 * shard}
     expected["params" if config == "fp32" else "master_weights"] = 4 * shard

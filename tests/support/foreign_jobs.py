@@ -381,6 +381,13 @@ def server_collective_purposes(api: str, run_id: str) -> set[tuple[str, str]]:
             if e.get("cat") == "collective"}  # fmt: skip
 
 
+def job_run_id(job: Any, config: str) -> str:
+    """The run id every rank of `job` reported for `config` (they must agree)."""
+    ids = {rank[config]["run_id"] for rank in job}
+    assert len(ids) == 1, f"ranks disagree on the run id: {ids}"
+    return str(ids.pop())
+
+
 def server_run(api: str, run_id: str) -> dict[str, Any]:
     """GET /runs/{id}."""
     import httpx
