@@ -54,6 +54,35 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def run_ranks(measure_rank: Any, args: argparse.Namespace) -> tuple[list[Any], float]:
+    """Start a server (unless --no-server), spawn WORLD ranks of `measure_rank(rank, args,
+    port, server, spool_dir, tmp)`, and return what each rank saved as rank<r>.pt, with the
+    wall-clock seconds the ranks took."""
+    with tempfile.TemporaryDirectory(prefix="zerowatch-bench-") as tmp:
+        work = Path(tmp)
+        server_proc, server = (None, None) if args.no_server else start_server(work)
+        try:
+            port = free_port()
+            ctx = mp.get_context("spawn")
+            procs = [ctx.Process(target=measure_rank,
+                                 args=(r, args, port, server, str(work / "spool"), tmp))
+                     for r in range(WORLD)]  # fmt: skip
+            t0 = time.perf_counter()
+            for proc in procs:
+                proc.start()
+            for proc in procs:
+                proc.join()
+            wall = time.perf_counter() - t0
+            if any(proc.exitcode != 0 for proc in procs):
+                raise SystemExit(f"a rank failed: exit codes {[proc.exitcode for proc in procs]}")
+            ranks = [torch.load(work / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+        finally:
+            if server_proc is not None:
+                server_proc.terminate()
+                server_proc.wait(10)
+    return ranks, wall
+
+
 def start_server(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     """`zerowatch serve` on a free port with a throwaway SQLite file."""
     port = free_port()
@@ -250,28 +279,7 @@ def main() -> None:
     args = p.parse_args()
     args.stages = [int(s) for s in args.stages.split(",")]
 
-    with tempfile.TemporaryDirectory(prefix="zerowatch-bench-") as tmp:
-        work = Path(tmp)
-        server_proc, server = (None, None) if args.no_server else start_server(work)
-        try:
-            port = free_port()
-            ctx = mp.get_context("spawn")
-            procs = [ctx.Process(target=measure_rank,
-                                 args=(r, args, port, server, str(work / "spool"), tmp))
-                     for r in range(WORLD)]  # fmt: skip
-            t0 = time.perf_counter()
-            for proc in procs:
-                proc.start()
-            for proc in procs:
-                proc.join()
-            wall = time.perf_counter() - t0
-            if any(proc.exitcode != 0 for proc in procs):
-                raise SystemExit(f"a rank failed: exit codes {[proc.exitcode for proc in procs]}")
-            ranks = [torch.load(work / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-        finally:
-            if server_proc is not None:
-                server_proc.terminate()
-                server_proc.wait(10)
+    ranks, wall = run_ranks(measure_rank, args)
 
     print(f"agent overhead: {WORLD} gloo ranks, GPT d_model={args.d_model} layers={args.layers} "
           f"seq={args.seq} micro-batch={args.micro_batch}, {args.repeats} repeats x "

@@ -30,7 +30,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -38,10 +37,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agent_overhead import free_port, start_server
+from agent_overhead import run_ranks
 
 WORLD = 2
 
@@ -254,28 +252,7 @@ def run(args: argparse.Namespace) -> None:
     if "deepspeed" in args.engines:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-    with tempfile.TemporaryDirectory(prefix="zerowatch-bench-") as tmp:
-        work = Path(tmp)
-        server_proc, server = (None, None) if args.no_server else start_server(work)
-        try:
-            port = free_port()
-            ctx = mp.get_context("spawn")
-            procs = [ctx.Process(target=measure_rank,
-                                 args=(r, args, port, server, str(work / "spool"), tmp))
-                     for r in range(WORLD)]  # fmt: skip
-            t0 = time.perf_counter()
-            for proc in procs:
-                proc.start()
-            for proc in procs:
-                proc.join()
-            wall = time.perf_counter() - t0
-            if any(proc.exitcode != 0 for proc in procs):
-                raise SystemExit(f"a rank failed: exit codes {[proc.exitcode for proc in procs]}")
-            ranks = [torch.load(work / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-        finally:
-            if server_proc is not None:
-                server_proc.terminate()
-                server_proc.wait(10)
+    ranks, wall = run_ranks(measure_rank, args)
 
     print(f"agent overhead on foreign engines: {WORLD} gloo ranks, GPT d_model={args.d_model} "
           f"layers={args.layers} seq={args.seq} micro-batch={args.micro_batch}, "
