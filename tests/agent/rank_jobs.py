@@ -5,11 +5,15 @@ take (rank, world, ...) and return picklable results."""
 from __future__ import annotations
 
 import statistics
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import httpx
 from support.engine_scenarios import TINY, ds_config, make_model, micro_batches
+from zerowatch.agent.spool import Spool
 
 import zerowatch
 from zerowatch.examples.gpt import GPTConfig
@@ -91,26 +95,59 @@ HTTP_TIMEOUT_S = 3.0
 CLOSE_TIMEOUT_S = 1.0
 
 
-def _timed(engine: Any, run: Any, rank: int, world: int, n: int, start: int) -> list[float]:
+class TrainingThreadIO:
+    """Counts HTTP requests and spool writes by the thread they run on while `watching`:
+    the agent must leave both to its shipper thread, never to the training loop."""
+
+    def __init__(self) -> None:
+        self.watching = False
+        self.on_training_thread: Counter[str] = Counter()
+        self.elsewhere: Counter[str] = Counter()
+
+    def install(self, setattr_: Any = setattr) -> None:
+        """Wrap the methods (for good in a rank's process; pytest's monkeypatch.setattr
+        undoes it after a test)."""
+        for owner, name, what in ((httpx.Client, "send", "http"), (Spool, "append", "spool")):
+            setattr_(owner, name, self._counted(getattr(owner, name), what))
+
+    def _counted(self, fn: Any, what: str) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self.watching:
+                on_main = threading.current_thread() is threading.main_thread()
+                (self.on_training_thread if on_main else self.elsewhere)[what] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+def _timed(engine: Any, run: Any, rank: int, world: int, n: int, start: int,
+           io: TrainingThreadIO | None = None) -> list[float]:  # fmt: skip
     times = []
+    if io is not None:
+        io.watching = True
     for s in range(start, start + n):
         t0 = time.perf_counter()
         train(engine, run, s, rank, world, SMALL)
         times.append(time.perf_counter() - t0)
+    if io is not None:
+        io.watching = False
     return times
 
 
 def step_times_under_faults(rank: int, world: int, urls: dict[str, str], spool_root: str,
                             steps: int, rounds: int) -> dict[str, Any]:  # fmt: skip
-    """Median step time of the same engine without the agent and with it, shipping to each
-    server in `urls` (one answering 500s, one hanging, one down with a tiny spool bound),
-    interleaved over `rounds` rounds so that machine noise hits every variant alike."""
+    """Step times of the same engine without the agent and with it, shipping to each server
+    in `urls` (one answering 500s, one hanging, one down with a tiny spool bound), interleaved
+    over `rounds` rounds, and the HTTP requests and spool writes made meanwhile, counted by
+    the thread that made them."""
     # Steps of tens of milliseconds, so that scheduling jitter (a few ms on a shared
     # 2-core machine) does not swamp the comparison.
     engine, *_ = zerowatch.initialize(model=make_model(SMALL), config=ds_config(2, overlap=True))
     _timed(engine, None, rank, world, 3, 0)  # warm-up
     times: dict[str, list[float]] = {"none": [], **{k: [] for k in urls}}
     runs: dict[str, Any] = {}
+    io = TrainingThreadIO()
+    io.install()
     opts = {**FAST, "close_timeout_s": CLOSE_TIMEOUT_S, "http_timeout_s": HTTP_TIMEOUT_S}
     for name, url in urls.items():
         extra = {"max_spool_bytes": 20_000} if name == "full_spool" else {}
@@ -123,7 +160,7 @@ def step_times_under_faults(rank: int, world: int, urls: dict[str, str], spool_r
         step += steps
         for name, run in runs.items():
             engine.add_observer(run._recorder)
-            times[name] += _timed(engine, run, rank, world, steps, step)
+            times[name] += _timed(engine, run, rank, world, steps, step, io)
             engine.remove_observer(run._recorder)
             step += steps
     t0 = time.perf_counter()
@@ -133,6 +170,8 @@ def step_times_under_faults(rank: int, world: int, urls: dict[str, str], spool_r
         "median": {k: statistics.median(v) for k, v in times.items()},
         "max": {k: max(v) for k, v in times.items()},
         "close_s": time.perf_counter() - t0,
+        "io_on_training_thread": dict(io.on_training_thread),
+        "io_on_shipper": dict(io.elsewhere),
         "stats": {k: r.stats for k, r in runs.items()},
         "run_ids": {k: r.id for k, r in runs.items()},
     }

@@ -79,17 +79,19 @@ def test_500s_hangs_and_a_full_spool_cost_training_nothing(tmp_path, fake_server
         results = run_ranks(step_times_under_faults, WORLD, urls, str(tmp_path / "spool"), 3, 8,
                             timeout_s=180)  # fmt: skip
         for rank, res in enumerate(results):
-            base = res["median"]["none"]
+            # Every request and every spool write of the 72 instrumented steps ran on the
+            # shipper thread; the training loop made none.
+            assert res["io_on_training_thread"] == {}, (rank, res["io_on_training_thread"])
+            assert res["io_on_shipper"].get("http", 0) > 0, (rank, res["io_on_shipper"])
+            assert res["io_on_shipper"].get("spool", 0) > 0, (rank, res["io_on_shipper"])
             for name in urls:
                 # One request to the hanging server takes 3 s (HTTP_TIMEOUT_S), its retries
                 # longer: a step that had waited on one would show it. (Scheduling noise on
-                # a loaded 2-core machine reaches ~1 s.)
+                # a loaded 2-core machine reaches ~1 s.) What the shipper's work costs the
+                # step time is measured by bench/agent_overhead.py --fault.
                 assert res["max"][name] < 2.0, (
                     f"rank {rank}, {name}: a step took {res['max'][name]:.2f} s"
                 )
-                ratio = res["median"][name] / base
-                # On a shared 2-core machine, medians of 24 steps move by ~20% on their own.
-                assert ratio < 1.3, f"rank {rank}, {name}: median step {ratio:.2f}x the baseline"
             # close() is bounded even against the hanging server: per run, its timeout plus
             # at most one request in flight.
             assert res["close_s"] < len(urls) * (CLOSE_TIMEOUT_S + HTTP_TIMEOUT_S + 1) + 2
