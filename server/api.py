@@ -136,11 +136,11 @@ class IngestAnswer:
 )
 async def ingest(run_id: RunId, batch: ev.EventBatch, request: Request) -> JSONResponse:
     """Store a batch of events (gzip allowed); idempotent on (run, rank, seq)."""
-    # The hot path: one thread hop for the database write, nothing else off the loop.
+    # The hot path: the batch joins the writer thread's next group; the loop awaits it.
     state = request.app.state
     ingestor, live, db = state.ingestor, state.live, state.db
     try:
-        result = await run_in_threadpool(ingestor.submit, run_id=run_id, batch=batch)
+        result = await ingestor.submit_async(run_id=run_id, batch=batch)
     except store.BatchError as e:
         raise _unprocessable(e) from None
     if result is None:

@@ -165,6 +165,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except Exception:  # a cold cache only means /metrics fills in as events arrive
             log.exception("could not warm the live cache")
         yield
+        ingestor.close()
         db.close()
 
     try:
@@ -183,7 +184,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.db = db
     app.state.live = live
-    app.state.ingestor = Ingestor(db, trace_sample_every=settings.trace_sample_every)
+    app.state.ingestor = ingestor = Ingestor(db, trace_sample_every=settings.trace_sample_every)
     _install_error_handlers(app)
     app.add_middleware(RejectNulMiddleware)
     app.include_router(api.router)

@@ -1,12 +1,14 @@
 """Group commit: concurrent ingest requests share one transaction.
 
-A 1,000-rank job sends a thousand small batches a second (an agent flushes every half
-second, so a batch is often one step of one rank). One transaction per batch would spend
-most of the server's time beginning and committing. Instead, request threads hand their
-batch to the `Ingestor` and wait; whichever thread finds no writer at work becomes the
-writer, takes every batch waiting (up to `max_group`), writes them all in one transaction,
-commits, wakes their owners, and repeats while more are waiting (flat combining). Nobody
-is answered before their batch is committed, so an answer still means "stored".
+A 1,000-rank job sends hundreds of small batches a second (an agent flushes every two
+seconds, so a batch is often one or two steps of one rank). One transaction per batch would
+spend most of the server's time beginning and committing, and one thread hop per request
+most of the rest. Instead, requests hand their batch to the `Ingestor` and wait: the
+request handlers on the event loop await a future (`submit_async`), other callers block
+(`submit`). One writer thread takes every batch waiting (up to `max_group`), writes them all
+in one transaction, commits, answers their owners (the event loop's futures with a single
+wake-up per group), and repeats while more are waiting. Nobody is answered before their
+batch is committed, so an answer still means "stored".
 
 The group is written with one multi-row statement per table (store.ingest_many), so fifty
 one-event batches cost about what one fifty-event batch does. Each batch stays atomic on its
@@ -18,6 +20,8 @@ events.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,9 +36,18 @@ from zerowatch import events as ev
 class _Job:
     run_id: str
     batch: ev.EventBatch
-    done: threading.Event = field(default_factory=threading.Event)
+    #: Set for a blocking caller; an async caller gets `future` resolved on its loop.
+    done: threading.Event | None = None
+    future: asyncio.Future[store.IngestResult | None] | None = None
+    loop: asyncio.AbstractEventLoop | None = None
     result: store.IngestResult | None = None
     error: BaseException | None = None
+
+
+@dataclass
+class _Queue:
+    jobs: list[_Job] = field(default_factory=list)
+    closed: bool = False
 
 
 class Ingestor:
@@ -52,9 +65,9 @@ class Ingestor:
         self.trace_sample_every = trace_sample_every
         self.max_group = max_group
         self.max_group_events = max_group_events
-        self._lock = threading.Lock()
-        self._pending: list[_Job] = []
-        self._writing = False
+        self._cond = threading.Condition()
+        self._queue = _Queue()
+        self._writer: threading.Thread | None = None
         #: Groups written and batches in them (for tests and the benchmark).
         self.groups = 0
         self.batches = 0
@@ -65,46 +78,73 @@ class Ingestor:
         Raises:
             store.BatchError: the batch is inconsistent with the run (nothing stored).
         """
-        job = _Job(run_id, batch)
-        with self._lock:
-            self._pending.append(job)
-            lead = not self._writing
-            if lead:
-                self._writing = True
-        if lead:
-            self._drain()
+        job = _Job(run_id, batch, done=threading.Event())
+        self._enqueue(job)
+        assert job.done is not None
         job.done.wait()
         if job.error is not None:
             raise job.error
         return job.result
 
-    def _take(self) -> list[_Job]:
-        with self._lock:
+    async def submit_async(self, *, run_id: str, batch: ev.EventBatch) -> store.IngestResult | None:
+        """`submit` for a coroutine: awaits the commit without holding a thread."""
+        loop = asyncio.get_running_loop()
+        job = _Job(run_id, batch, future=loop.create_future(), loop=loop)
+        self._enqueue(job)
+        assert job.future is not None
+        return await job.future
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer thread (a later batch starts it again)."""
+        with self._cond:
+            self._queue.closed = True
+            self._cond.notify_all()
+            writer = self._writer
+        if writer is not None:
+            writer.join()
+        with self._cond:
+            self._queue.closed = False
+
+    def _enqueue(self, job: _Job) -> None:
+        with self._cond:
+            self._queue.jobs.append(job)
+            if self._writer is None:
+                self._writer = threading.Thread(
+                    target=self._write_loop, name="zerowatch-ingest", daemon=True
+                )
+                self._writer.start()
+            self._cond.notify()
+
+    def _take(self) -> list[_Job] | None:
+        """The next group; None once closed and drained."""
+        with self._cond:
+            while not self._queue.jobs:
+                if self._queue.closed:
+                    self._writer = None  # the next batch starts a new writer
+                    return None
+                self._cond.wait()
+            pending = self._queue.jobs
             group: list[_Job] = []
             n_events = 0
-            while self._pending and len(group) < self.max_group:
-                if group and n_events + len(self._pending[0].batch.events) > self.max_group_events:
+            for job in pending:
+                if len(group) >= self.max_group or (
+                    group and n_events + len(job.batch.events) > self.max_group_events
+                ):
                     break
-                job = self._pending.pop(0)
                 group.append(job)
                 n_events += len(job.batch.events)
-            if not group:
-                self._writing = False
+            del pending[: len(group)]
             return group
 
-    def _drain(self) -> None:
-        while True:
-            group = self._take()
-            if not group:
-                return
+    def _write_loop(self) -> None:
+        while (group := self._take()) is not None:
             try:
                 self._write_group(group)
             except BaseException:
                 # The group failed as a whole: retry each batch alone.
                 for job in group:
                     self._write_alone(job)
-            for job in group:
-                job.done.set()
+            _answer(group)
 
     def _write_group(self, group: list[_Job]) -> None:
         now = time.time()
@@ -143,6 +183,30 @@ class Ingestor:
             job.error = None
         except BaseException as e:
             job.result, job.error = None, e
+
+
+def _answer(group: list[_Job]) -> None:
+    """Wake every owner: blocking callers one by one, each event loop once for its jobs."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[_Job]] = {}
+    for job in group:
+        if job.loop is not None:
+            by_loop.setdefault(job.loop, []).append(job)
+        elif job.done is not None:
+            job.done.set()
+    for loop, jobs in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
+            loop.call_soon_threadsafe(_resolve, jobs)
+
+
+def _resolve(jobs: list[_Job]) -> None:
+    for job in jobs:
+        fut = job.future
+        if fut is None or fut.done():  # the request was cancelled meanwhile
+            continue
+        if job.error is not None:
+            fut.set_exception(job.error)
+        else:
+            fut.set_result(job.result)
 
 
 __all__ = ["Ingestor"]
