@@ -15,8 +15,9 @@ zerowatch.server.app:create_app`, the same app `zerowatch serve` runs) on 127.0.
    the last answer), the latency of each POST (p50/p99), and the server process's CPU time
    per stored rank-step (user + system, from psutil): on a machine shared with other work
    the wall-clock rate is a lower bound, and 1e6 / (CPU µs per rank-step) is the rate one
-   fully busy core sustains. Batch shapes: `--events-per-request` (1: an agent flushing
-   after every step; 16, 64: agents batching).
+   fully busy core sustains. Batch shapes: `--events-per-request` (2: the agent's default,
+   flushing every 2 s, at one step a second; 1: steps of 2 s or more; 16, 64: faster
+   steps, or agents catching up after an outage).
 2. **Queries.** A run of `--points` stored rank-steps (`--query-ranks` ranks) is written
    straight through the store (not timed), then the API is asked, `--repeats` times each:
    a downsampled series of one rank (step_time_s, a phase, a collective's bus bandwidth,
@@ -381,7 +382,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=512, help="ranks of the ingest run")
     ap.add_argument("--steps", type=int, default=12, help="steps per rank in the ingest run")
     ap.add_argument(
-        "--events-per-request", default="1,16,64", help="batch sizes to measure, comma-separated"
+        "--events-per-request", default="1,2,16,64", help="batch sizes to measure, comma-separated"
     )
     ap.add_argument("--clients", type=int, default=2, help="agent processes")
     ap.add_argument("--threads", type=int, default=8, help="connections per agent process")
