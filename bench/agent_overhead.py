@@ -3,6 +3,8 @@ without `zerowatch.instrument`, interleaved in one run, per ZeRO stage.
 
     python bench/agent_overhead.py                  # stages 0-3, a server on a free port
     python bench/agent_overhead.py --no-server      # the agent spools to disk instead
+    python bench/agent_overhead.py --fault 500      # a server answering 500 to everything
+    python bench/agent_overhead.py --fault hang     # a server that never answers
 
 For each stage every rank builds one engine (a small GPT) and one instrumented run shipping
 to a real `zerowatch serve` on 127.0.0.1. Then, `--repeats` times, it trains `--steps`
@@ -31,9 +33,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +64,13 @@ def run_ranks(measure_rank: Any, args: argparse.Namespace) -> tuple[list[Any], f
     wall-clock seconds the ranks took."""
     with tempfile.TemporaryDirectory(prefix="zerowatch-bench-") as tmp:
         work = Path(tmp)
-        server_proc, server = (None, None) if args.no_server else start_server(work)
+        server_proc: Any = None
+        if args.fault != "none":
+            server_proc, server = start_faulty_server(args.fault)
+        elif args.no_server:
+            server = None
+        else:
+            server_proc, server = start_server(work)
         try:
             port = free_port()
             ctx = mp.get_context("spawn")
@@ -77,9 +87,11 @@ def run_ranks(measure_rank: Any, args: argparse.Namespace) -> tuple[list[Any], f
                 raise SystemExit(f"a rank failed: exit codes {[proc.exitcode for proc in procs]}")
             ranks = [torch.load(work / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
         finally:
-            if server_proc is not None:
+            if isinstance(server_proc, subprocess.Popen):
                 server_proc.terminate()
                 server_proc.wait(10)
+            elif server_proc is not None:
+                server_proc.shutdown()
     return ranks, wall
 
 
@@ -106,6 +118,32 @@ def start_server(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError("server did not start")
+
+
+def start_faulty_server(fault: str) -> tuple[ThreadingHTTPServer, str]:
+    """A server on a free port that answers every request with a 500 (`fault="500"`) or
+    holds it without answering (`"hang"`): the agent must spool and retry in the
+    background while training goes on."""
+
+    class Faulty(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if fault == "hang":
+                time.sleep(3600)
+            self.send_response(500)
+            self.send_header("Content-Length", "4")
+            self.end_headers()
+            self.wfile.write(b"boom")
+
+        do_GET = do_POST
+
+        def log_message(self, *_: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Faulty)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
 
 
 def ds_config(stage: int, micro_batch: int) -> dict[str, Any]:
@@ -275,6 +313,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--no-server", action="store_true", help="spool to disk, no server")
+    p.add_argument("--fault", choices=("none", "500", "hang"), default="none",
+                   help="ship to a server that answers 500s or never answers")  # fmt: skip
     p.add_argument("--foreign", default="", help="also deepspeed,fsdp2 (agent_overhead_foreign.py)")
     args = p.parse_args()
     args.stages = [int(s) for s in args.stages.split(",")]
@@ -283,11 +323,11 @@ def main() -> None:
 
     print(f"agent overhead: {WORLD} gloo ranks, GPT d_model={args.d_model} layers={args.layers} "
           f"seq={args.seq} micro-batch={args.micro_batch}, {args.repeats} repeats x "
-          f"{args.steps} steps per variant, {'no server (spool)' if args.no_server else 'server on 127.0.0.1'}, "
+          f"{args.steps} steps per variant, {where(args)}, "
           f"{wall:.0f} s")  # fmt: skip
     print(f"{'stage':>5}  {'plain ms':>9}  {'agent ms':>9}  {'wall':>6}  {'CPU ms':>7}  "
           f"{'CPU':>6}  {'loop':>6}  {'hooks ms':>8}  {'shipper ms':>10}  {'agent %':>7}  {'event KiB':>9}  {'queue peak':>10}  "
-          f"{'queue bound MiB':>15}  {'sent':>5}  {'dropped':>7}")  # fmt: skip
+          f"{'queue bound MiB':>15}  {'sent':>5}  {'spooled':>7}  {'dropped':>7}")  # fmt: skip
     for stage in args.stages:
         per_rank = [r[stage] for r in ranks]
 
@@ -299,6 +339,7 @@ def main() -> None:
         peak = max(r["stats"]["queue_peak"] for r in per_rank)
         bound = per_rank[0]["queue_size"] * event / 2**20
         sent = sum(r["stats"]["sent"] for r in per_rank)
+        spooled = sum(r["stats"]["spooled"] for r in per_rank)
         dropped = sum(r["stats"]["dropped_events"] for r in per_rank)
         print(f"{stage:>5}  {med('plain_wall') * 1e3:>9.2f}  {med('agent_wall') * 1e3:>9.2f}  "
               f"{ratio['wall']:>6.3f}  {med('plain_cpu') * 1e3:>7.2f}  {ratio['cpu']:>6.3f}  "
@@ -306,7 +347,7 @@ def main() -> None:
               f"{med('shipper_cpu') * 1e3:>10.3f}  "
               f"{100 * (med('hooks_cpu') + med('shipper_cpu')) / med('plain_cpu'):>7.2f}  "
               f"{event / 1024:>9.1f}  {peak:>10}  {bound:>15.1f}  "
-              f"{sent:>5}  {dropped:>7}")  # fmt: skip
+              f"{sent:>5}  {spooled:>7}  {dropped:>7}")  # fmt: skip
     for stage in args.stages:
         per_rank = [r[stage] for r in ranks]
         calls = statistics.median(r["callbacks"] for r in per_rank)
@@ -320,6 +361,12 @@ def main() -> None:
 
         run_foreign(argparse.Namespace(**{**vars(args), "engines": args.foreign.split(","),
                                           "stages": [s for s in args.stages if s > 0] or [3]}))  # fmt: skip
+
+
+def where(args: argparse.Namespace) -> str:
+    if args.fault != "none":
+        return f"a server that {'answers 500s' if args.fault == '500' else 'never answers'}"
+    return "no server (spool)" if args.no_server else "server on 127.0.0.1"
 
 
 if __name__ == "__main__":
