@@ -1,7 +1,7 @@
 """Engine benchmark: zerowatch's ZeRO stages next to torch DDP, FSDP2, ZeroRedundancyOptimizer
 and DeepSpeed ZeRO 0-3, on 2 gloo ranks of this machine's CPU.
 
-    .venv/bin/python bench/engine.py                    # the table in docs/benchmarks.md
+    .venv/bin/python bench/engine.py                    # the table in BENCHMARKS.md
     .venv/bin/python bench/engine.py --no-deepspeed     # without the deepspeed extra
 
 Every contender trains the same small GPT (zerowatch.examples.gpt; d_model 256 by default)
