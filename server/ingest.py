@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from zerowatch.server import store
 from zerowatch.server.db import Database
 
 from zerowatch import events as ev
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -144,7 +147,11 @@ class Ingestor:
                 # The group failed as a whole: retry each batch alone.
                 for job in group:
                     self._write_alone(job)
-            _answer(group)
+            finally:
+                try:
+                    _answer(group)
+                except Exception:  # never leave the writer dead with requests waiting
+                    log.exception("answering an ingest group")
 
     def _write_group(self, group: list[_Job]) -> None:
         now = time.time()

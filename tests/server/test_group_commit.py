@@ -3,6 +3,7 @@ another's events."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -86,3 +87,77 @@ def test_one_statement_per_table_keeps_each_batch_its_own_outcome(db: Database) 
     run = queries.get_run(db=db, run_id=rc.run_id)
     assert run is not None
     assert [(x["rank"], x["steps"]) for x in run["ranks"]] == [(r, 1) for r in range(6)] + [(7, 0)]
+
+
+def test_requests_awaiting_on_an_event_loop_share_groups_and_each_gets_its_own_answer(
+    db: Database,
+) -> None:
+    rc = simulate.run_create(SPEC)
+    store.create_run(db, run=rc)
+    ingestor = Ingestor(db)
+
+    def batch(rank: int, step: int) -> ev.EventBatch:
+        return ev.EventBatch(rc.run_id, [simulate.step_event(SPEC, rank, step)])
+
+    async def requests() -> list[object]:
+        calls = [ingestor.submit_async(run_id=rc.run_id, batch=batch(r, s))
+                 for s in range(10) for r in range(8)]  # fmt: skip
+        bad = batch(3, 10)
+        bad.events[0].rank = 99  # outside the world: refused alone
+        calls.append(ingestor.submit_async(run_id=rc.run_id, batch=bad))
+        calls.append(ingestor.submit_async(run_id="missing", batch=batch(0, 0)))
+        calls.append(ingestor.submit_async(run_id=rc.run_id, batch=batch(0, 0)))  # a replay
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    out = asyncio.run(requests())
+    assert all(isinstance(r, store.IngestResult) and r.accepted == 1 for r in out[:80])
+    assert isinstance(out[80], store.BatchError) and out[80].loc[-1] == "rank"
+    assert out[81] is None
+    assert isinstance(out[82], store.IngestResult) and (out[82].accepted, out[82].duplicates) == (
+        0,
+        1,
+    )
+    assert ingestor.batches == 83 and ingestor.groups < ingestor.batches  # they were grouped
+    run = queries.get_run(db=db, run_id=rc.run_id)
+    assert run is not None and [x["steps"] for x in run["ranks"]] == [10] * 8
+    ingestor.close()
+
+
+def test_a_cancelled_request_still_stores_its_batch_and_the_writer_goes_on(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rc = simulate.run_create(SPEC)
+    store.create_run(db, run=rc)
+    ingestor = Ingestor(db)
+    release = threading.Event()
+    write_group = ingestor._write_group
+
+    def held(group):  # the first group waits until the test lets it go
+        release.wait(10)
+        write_group(group)
+
+    monkeypatch.setattr(ingestor, "_write_group", held)
+
+    async def scenario() -> store.IngestResult | None:
+        first = asyncio.ensure_future(ingestor.submit_async(
+            run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, [simulate.step_event(SPEC, 0, 0)])))  # fmt: skip
+        await asyncio.sleep(0.05)
+        first.cancel()  # the client went away while its batch was being written
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        return await ingestor.submit_async(
+            run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, [simulate.step_event(SPEC, 1, 0)])
+        )
+
+    second = asyncio.run(scenario())
+    assert second is not None and second.accepted == 1
+    run = queries.get_run(db=db, run_id=rc.run_id)
+    assert run is not None and [x["steps"] for x in run["ranks"]][:2] == [1, 1]
+    # close() writes what is queued and stops the writer; a later batch starts it again.
+    ingestor.close()
+    later = ingestor.submit(
+        run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, [simulate.step_event(SPEC, 2, 0)])
+    )
+    assert later is not None and later.accepted == 1
+    ingestor.close()
