@@ -9,33 +9,19 @@ repository); the path is printed at the end of the test session.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
+from support.dashboard_runs import REAL_RUNS, REAL_STEPS
+from support.screenshots import SCREENSHOTS, TAKEN, XSS_NAME
 
 from zerowatch import simulate as sim
 
-REPO = Path(__file__).resolve().parents[2]
-SCREENSHOTS = Path(os.environ.get("ZEROWATCH_ARTIFACTS", REPO / "artifacts")) / "screenshots"
-XSS_NAME = "<script>alert(1)</script>"
-_taken: list[Path] = []
-
 
 def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
-    if _taken:
-        terminalreporter.write_line(f"dashboards: {len(_taken)} screenshots in {SCREENSHOTS}")
-
-
-def screenshot(page, name: str) -> Path:  # type: ignore[no-untyped-def]
-    """Save a full-page screenshot as SCREENSHOTS/name.png."""
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    path = SCREENSHOTS / f"{name}.png"
-    page.screenshot(path=str(path), full_page=True)
-    _taken.append(path)
-    return path
+    if TAKEN:
+        terminalreporter.write_line(f"dashboards: {len(TAKEN)} screenshots in {SCREENSHOTS}")
 
 
 @dataclass
@@ -82,13 +68,6 @@ def probe(browser) -> Iterator[PageProbe]:  # type: ignore[no-untyped-def]
     page.on("dialog", on_dialog)
     yield out
     context.close()
-
-
-#: The real runs: the same tiny GPT in fp16 (dynamic loss scaling) at stage 1, stage 2 with
-#: the optimizer offloaded to the CPU, and stage 3; 2 gloo ranks each.
-FP16 = ("--precision", "fp16")
-REAL_RUNS = ((1, FP16), (2, (*FP16, "--offload", "cpu")), (3, FP16))
-REAL_STEPS = 16
 
 
 def seed_runs(server_url: str) -> tuple[str, str]:

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 from charts import ALL_DRAWN_JS, charts
-from conftest import screenshot
+from support.screenshots import screenshot
 from zerowatch.server.db import Database
 from zerowatch.server.page_queries import MAX_POINTS
 

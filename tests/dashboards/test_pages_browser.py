@@ -10,7 +10,8 @@ import time
 import httpx
 import pytest
 from charts import assert_all_drawn, charts
-from conftest import REAL_STEPS, XSS_NAME, screenshot
+from support.dashboard_runs import REAL_STEPS
+from support.screenshots import XSS_NAME, screenshot
 
 from zerowatch import simulate as sim
 

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import asdict, batch_body, create_sim_run, gz, post_events
 from fastapi.testclient import TestClient
+from support.server_api import asdict, batch_body, create_sim_run, gz, post_events
 from zerowatch.server.app import create_app
 from zerowatch.server.settings import Settings
 

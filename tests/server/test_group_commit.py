@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import pytest
 from zerowatch.server import queries, store
@@ -13,6 +16,8 @@ from zerowatch.server.ingest import Ingestor
 
 from zerowatch import events as ev
 from zerowatch import simulate
+
+T = TypeVar("T")
 
 SPEC = simulate.SimSpec(world_size=8, stage=3, spans_every=0)
 
@@ -89,6 +94,13 @@ def test_one_statement_per_table_keeps_each_batch_its_own_outcome(db: Database) 
     assert [(x["rank"], x["steps"]) for x in run["ranks"]] == [(r, 1) for r in range(6)] + [(7, 0)]
 
 
+def on_own_loop(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine on a fresh event loop in its own thread, as uvicorn's loop runs beside
+    the writer thread (and whatever loop the test process already has stays out of it)."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result(timeout=60)
+
+
 def test_requests_awaiting_on_an_event_loop_share_groups_and_each_gets_its_own_answer(
     db: Database,
 ) -> None:
@@ -109,7 +121,7 @@ def test_requests_awaiting_on_an_event_loop_share_groups_and_each_gets_its_own_a
         calls.append(ingestor.submit_async(run_id=rc.run_id, batch=batch(0, 0)))  # a replay
         return await asyncio.gather(*calls, return_exceptions=True)
 
-    out = asyncio.run(requests())
+    out = on_own_loop(requests())
     assert all(isinstance(r, store.IngestResult) and r.accepted == 1 for r in out[:80])
     assert isinstance(out[80], store.BatchError) and out[80].loc[-1] == "rank"
     assert out[81] is None
@@ -150,7 +162,7 @@ def test_a_cancelled_request_still_stores_its_batch_and_the_writer_goes_on(
             run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, [simulate.step_event(SPEC, 1, 0)])
         )
 
-    second = asyncio.run(scenario())
+    second = on_own_loop(scenario())
     assert second is not None and second.accepted == 1
     run = queries.get_run(db=db, run_id=rc.run_id)
     assert run is not None and [x["steps"] for x in run["ranks"]][:2] == [1, 1]

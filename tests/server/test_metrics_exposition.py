@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from conftest import create_sim_run, post_events
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from support.server_api import create_sim_run, post_events
 from zerowatch.server.app import create_app
 from zerowatch.server.settings import Settings
 

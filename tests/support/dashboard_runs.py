@@ -40,6 +40,12 @@ from zerowatch.server.db import Database
 from zerowatch import events as ev
 from zerowatch import simulate as sim
 
+#: The real runs: the same tiny GPT in fp16 (dynamic loss scaling) at stage 1, stage 2 with
+#: the optimizer offloaded to the CPU, and stage 3; 2 gloo ranks each.
+FP16 = ("--precision", "fp16")
+REAL_RUNS = ((1, FP16), (2, (*FP16, "--offload", "cpu")), (3, FP16))
+REAL_STEPS = 16
+
 
 def _free_port() -> int:
     with socket.socket() as s:
