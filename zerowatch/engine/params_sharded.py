@@ -14,7 +14,12 @@ an empty tensor and the rank keeps only its part of the unit's flat buffer
 so a micro-batch all-gathers every unit twice and reduce-scatters it once: 3Ψ (the ZeRO
 paper's stage-3 volume). Prefetch: the first forward and backward record the order in which
 units are needed; later passes issue the next units' all-gathers asynchronously (up to
-`stage3_prefetch_bucket_size` elements ahead) so they overlap with compute.
+`stage3_prefetch_bucket_size` elements ahead) so they overlap with compute, never holding
+more than `stage3_max_live_parameters` gathered elements for what is not in use yet. A
+unit that the recorded forward uses again within `stage3_max_reuse_distance` elements (a
+block called twice) stays gathered until that use instead of being gathered anew, while
+the live bound allows. Every unit is released at the end of a pass, so a model whose
+blocks run once per pass moves exactly 3Ψ whatever these settings.
 
 Small parameters (`stage3_param_persistence_threshold`) are not in any unit: they stay
 whole on every rank (see `ReplicatedParams`). A module that uses a parameter registered on
@@ -61,14 +66,21 @@ class ShardedParams:
         segments: one per unit, built with shards = world size.
         offload: keep the shards on the host (`offload_param`), pinned if device is a GPU.
         prefetch_numel: elements to gather ahead of need (0: no prefetch).
+        max_live_numel: the most gathered elements held beyond the units in use (prefetched
+            or kept for reuse); the units a module needs are gathered whatever this is.
+        max_reuse_numel: keep a unit gathered after a forward use when the recorded forward
+            uses it again with at most this many elements of other units in between.
     """
 
     def __init__(self, module: nn.Module, segments: list[Segment], comm: Comm, phases: Phases,
                  *, device: torch.device, dtype: torch.dtype, offload: bool,
-                 prefetch_numel: int) -> None:  # fmt: skip
+                 prefetch_numel: int, max_live_numel: int = 10**18,
+                 max_reuse_numel: int = 0) -> None:  # fmt: skip
         self.segments, self.comm, self.phases = segments, comm, phases
         self.device, self.dtype, self.offload = device, dtype, offload
         self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self.max_reuse_numel = max_reuse_numel
         host = torch.device("cpu")
         home = host if offload else device
         self.shard_buffer = torch.empty(sum(s.shard_numel for s in segments), device=home,
@@ -123,7 +135,7 @@ class ShardedParams:
                     tensors, partial(self._pre_backward, module), mode="any")  # fmt: skip
         for u in self._module_units[module]:
             u.users -= 1
-            if u.users == 0:
+            if u.users == 0 and not self._reused_soon(u):
                 self.release(u.seg)
 
     def _pre_backward(self, module: nn.Module, *_grads: Any) -> None:
@@ -157,7 +169,31 @@ class ShardedParams:
                 break
             budget -= nxt.seg.numel
             if nxt.state is UnitState.SHARDED:
+                if self._held_numel() + nxt.seg.numel > self.max_live_numel:
+                    break
                 self._start(nxt)
+
+    def _held_numel(self) -> int:
+        """Gathered (or gathering) elements of units that no running module uses."""
+        return sum(
+            u.seg.numel
+            for u in self.units.values()
+            if u.state is not UnitState.SHARDED and u.users == 0
+        )
+
+    def _reused_soon(self, unit: _Unit) -> bool:
+        """Whether the recorded forward needs `unit` again within the reuse distance (and
+        holding it stays within the live bound)."""
+        if self.max_reuse_numel <= 0 or not self._recorded["forward"]:
+            return False
+        order, between = self._order["forward"], 0
+        for nxt in order[self._cursor["forward"] :]:
+            if nxt is unit:  # (it is no longer in use, so the held figure counts it)
+                return self._held_numel() <= self.max_live_numel
+            between += nxt.seg.numel
+            if between > self.max_reuse_numel:
+                return False
+        return False
 
     def _start(self, u: _Unit) -> None:
         src = u.seg.param_shard

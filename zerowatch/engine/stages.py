@@ -87,7 +87,9 @@ def compose(stage: int, module: nn.Module, params: ParamList, zc: ZeroConfig, co
         for group, members in sorted(by_group.items()):
             units.append(Segment(len(units), members, group, n, rank))
     sharded = ShardedParams(module, units, comm, phases, offload=zc.offload_param.device == "cpu",
-                            prefetch_numel=int(zc.stage3_prefetch_bucket_size), **common)  # fmt: skip
+                            prefetch_numel=int(zc.stage3_prefetch_bucket_size),
+                            max_live_numel=int(zc.stage3_max_live_parameters),
+                            max_reuse_numel=int(zc.stage3_max_reuse_distance), **common)  # fmt: skip
     unit_reducer = MicroBatchReducer(units, comm, phases, overlap=overlap,
                                      max_inflight_numel=2 * bucket_numel,
                                      on_copied=sharded.release, **common)  # fmt: skip
