@@ -171,6 +171,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         gc.collect()
         gc.freeze()
         yield
+        gc.unfreeze()  # an app that ends (tests start many) leaves nothing pinned behind
         ingestor.close()
         db.close()
 
