@@ -46,14 +46,14 @@ def _train(rank: int, world: int, build: Any, **zero: Any) -> dict[str, Any]:
     config["zero_optimization"].update(zero)
     engine, *_ = zerowatch.initialize(model=make_model(TINY, build), config=config)
     sharded = engine.parts.owners[0]
-    held: list[int] = []
-    start = sharded._start
+    held: list[int] = []  # elements gathered after each prefetch decision
+    prefetch_after = sharded._prefetch_after
 
-    def counted_start(unit: Any) -> None:
-        start(unit)
-        held.append(sharded._held_numel())
+    def counted_prefetch(unit: Any, mode: str) -> None:
+        prefetch_after(unit, mode)
+        held.append(sharded.gathered_numel)
 
-    sharded._start = counted_start
+    sharded._prefetch_after = counted_prefetch
     gathers = ForwardGatherBytes()
     engine.add_observer(gathers)
     train_engine(engine, TINY, STEPS, 1, world, rank)

@@ -14,11 +14,12 @@ an empty tensor and the rank keeps only its part of the unit's flat buffer
 so a micro-batch all-gathers every unit twice and reduce-scatters it once: 3Ψ (the ZeRO
 paper's stage-3 volume). Prefetch: the first forward and backward record the order in which
 units are needed; later passes issue the next units' all-gathers asynchronously (up to
-`stage3_prefetch_bucket_size` elements ahead) so they overlap with compute, never holding
-more than `stage3_max_live_parameters` gathered elements for what is not in use yet. A
-unit that the recorded forward uses again within `stage3_max_reuse_distance` elements (a
-block called twice) stays gathered until that use instead of being gathered anew, while
-the live bound allows. Every unit is released at the end of a pass, so a model whose
+`stage3_prefetch_bucket_size` elements ahead) so they overlap with compute, as long as at
+most `stage3_max_live_parameters` elements are gathered (DeepSpeed's meaning: every
+gathered element counts, in use or not; the units a module needs are gathered whatever the
+bound). A unit that the recorded forward uses again within `stage3_max_reuse_distance`
+elements (a block called twice) stays gathered until that use instead of being gathered
+anew, while the live bound allows. Every unit is released at the end of a pass, so a model whose
 blocks run once per pass moves exactly 3Ψ whatever these settings.
 
 Small parameters (`stage3_param_persistence_threshold`) are not in any unit: they stay
@@ -29,7 +30,9 @@ for the module they are registered on.
 
 from __future__ import annotations
 
+import bisect
 import enum
+import itertools
 from functools import partial
 from typing import Any
 
@@ -66,8 +69,8 @@ class ShardedParams:
         segments: one per unit, built with shards = world size.
         offload: keep the shards on the host (`offload_param`), pinned if device is a GPU.
         prefetch_numel: elements to gather ahead of need (0: no prefetch).
-        max_live_numel: the most gathered elements held beyond the units in use (prefetched
-            or kept for reuse); the units a module needs are gathered whatever this is.
+        max_live_numel: the most gathered elements that prefetch and reuse may lead to (the
+            units a module needs are gathered whatever this is).
         max_reuse_numel: keep a unit gathered after a forward use when the recorded forward
             uses it again with at most this many elements of other units in between.
     """
@@ -81,6 +84,8 @@ class ShardedParams:
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.max_reuse_numel = max_reuse_numel
+        #: Elements of the units gathered or being gathered now.
+        self.gathered_numel = 0
         host = torch.device("cpu")
         home = host if offload else device
         self.shard_buffer = torch.empty(sum(s.shard_numel for s in segments), device=home,
@@ -117,6 +122,8 @@ class ShardedParams:
         self._order: dict[str, list[_Unit]] = {"forward": [], "backward": []}
         self._recorded = {"forward": False, "backward": False}
         self._cursor = {"forward": 0, "backward": 0}
+        self._forward_uses: dict[_Unit, list[int]] = {}
+        self._forward_prefix: list[int] = [0]
 
     # -- hooks -----------------------------------------------------------------------------
 
@@ -164,36 +171,36 @@ class ShardedParams:
             return
         self._cursor[mode] = pos + 1
         budget = self.prefetch_numel
-        for nxt in order[pos + 1 :]:
+        for nxt in itertools.islice(order, pos + 1, None):
             if budget <= 0:
                 break
             budget -= nxt.seg.numel
             if nxt.state is UnitState.SHARDED:
-                if self._held_numel() + nxt.seg.numel > self.max_live_numel:
+                if self.gathered_numel + nxt.seg.numel > self.max_live_numel:
                     break
                 self._start(nxt)
 
-    def _held_numel(self) -> int:
-        """Gathered (or gathering) elements of units that no running module uses."""
-        return sum(
-            u.seg.numel
-            for u in self.units.values()
-            if u.state is not UnitState.SHARDED and u.users == 0
-        )
-
     def _reused_soon(self, unit: _Unit) -> bool:
         """Whether the recorded forward needs `unit` again within the reuse distance (and
-        holding it stays within the live bound)."""
+        holding it stays within the live bound, which counts it already)."""
         if self.max_reuse_numel <= 0 or not self._recorded["forward"]:
             return False
-        order, between = self._order["forward"], 0
-        for nxt in order[self._cursor["forward"] :]:
-            if nxt is unit:  # (it is no longer in use, so the held figure counts it)
-                return self._held_numel() <= self.max_live_numel
-            between += nxt.seg.numel
-            if between > self.max_reuse_numel:
-                return False
-        return False
+        here = self._cursor["forward"]  # just past the last unit fetched
+        uses = self._forward_uses.get(unit, [])
+        i = bisect.bisect_left(uses, here)
+        if i == len(uses):
+            return False
+        between = self._forward_prefix[uses[i]] - self._forward_prefix[here]
+        return between <= self.max_reuse_numel and self.gathered_numel <= self.max_live_numel
+
+    def _index_forward(self) -> None:
+        """Positions of each unit's uses in the recorded forward, and running element sums."""
+        order = self._order["forward"]
+        self._forward_uses = {}
+        self._forward_prefix = [0]
+        for i, u in enumerate(order):
+            self._forward_uses.setdefault(u, []).append(i)
+            self._forward_prefix.append(self._forward_prefix[-1] + u.seg.numel)
 
     def _start(self, u: _Unit) -> None:
         src = u.seg.param_shard
@@ -205,6 +212,7 @@ class ShardedParams:
         u.full = torch.empty(u.seg.padded, device=self.device, dtype=self.dtype)
         u.handle = self.comm.all_gather(u.full, src, purpose="param_fetch", async_op=True)
         u.state = UnitState.GATHERING
+        self.gathered_numel += u.seg.numel
 
     def _wait(self, u: _Unit) -> None:
         if u.state is not UnitState.GATHERING:
@@ -226,6 +234,7 @@ class ShardedParams:
             s.param.data = self._empty
         u.full = None
         u.state = UnitState.SHARDED
+        self.gathered_numel -= u.seg.numel
 
     # -- pass boundaries -------------------------------------------------------------------
 
@@ -237,8 +246,10 @@ class ShardedParams:
         for u in self.units.values():
             if u.users == 0:
                 self.release(u.seg)
-        if self._order[mode]:
+        if self._order[mode] and not self._recorded[mode]:
             self._recorded[mode] = True
+            if mode == "forward":
+                self._index_forward()
 
     def after_step(self) -> None:
         return
