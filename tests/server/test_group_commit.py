@@ -22,9 +22,15 @@ T = TypeVar("T")
 SPEC = simulate.SimSpec(world_size=8, stage=3, spans_every=0)
 
 
-def test_concurrent_batches_are_grouped_and_a_bad_one_fails_alone(db: Database) -> None:
+def stored_run(db: Database) -> ev.RunCreate:
+    """A simulated run of SPEC, created in the store."""
     rc = simulate.run_create(SPEC)
     store.create_run(db, run=rc)
+    return rc
+
+
+def test_concurrent_batches_are_grouped_and_a_bad_one_fails_alone(db: Database) -> None:
+    rc = stored_run(db)
     ingestor = Ingestor(db)
     errors: dict[int, BaseException] = {}
     results: dict[int, store.IngestResult | None] = {}
@@ -59,8 +65,7 @@ def test_concurrent_batches_are_grouped_and_a_bad_one_fails_alone(db: Database) 
 def test_a_failing_group_is_retried_batch_by_batch(
     db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    rc = simulate.run_create(SPEC)
-    store.create_run(db, run=rc)
+    rc = stored_run(db)
     ingestor = Ingestor(db)
     monkeypatch.setattr(
         ingestor, "_write_group", lambda group: (_ for _ in ()).throw(RuntimeError("x"))
@@ -72,8 +77,7 @@ def test_a_failing_group_is_retried_batch_by_batch(
 
 
 def test_one_statement_per_table_keeps_each_batch_its_own_outcome(db: Database) -> None:
-    rc = simulate.run_create(SPEC)
-    store.create_run(db, run=rc)
+    rc = stored_run(db)
     a = [simulate.step_event(SPEC, r, 0) for r in range(4)]
     b = [simulate.step_event(SPEC, r, 0) for r in range(2, 6)]  # ranks 2, 3 repeat a's
     bad = [simulate.step_event(SPEC, 0, 1)]
@@ -104,8 +108,7 @@ def on_own_loop(coro: Coroutine[Any, Any, T]) -> T:
 def test_requests_awaiting_on_an_event_loop_share_groups_and_each_gets_its_own_answer(
     db: Database,
 ) -> None:
-    rc = simulate.run_create(SPEC)
-    store.create_run(db, run=rc)
+    rc = stored_run(db)
     ingestor = Ingestor(db)
 
     def batch(rank: int, step: int) -> ev.EventBatch:
@@ -138,8 +141,7 @@ def test_requests_awaiting_on_an_event_loop_share_groups_and_each_gets_its_own_a
 def test_a_cancelled_request_still_stores_its_batch_and_the_writer_goes_on(
     db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    rc = simulate.run_create(SPEC)
-    store.create_run(db, run=rc)
+    rc = stored_run(db)
     ingestor = Ingestor(db)
     release = threading.Event()
     write_group = ingestor._write_group
