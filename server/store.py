@@ -16,11 +16,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import JSON, Connection, Float, bindparam, delete, func, select, update
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Connection,
+    Float,
+    Integer,
+    bindparam,
+    delete,
+    func,
+    select,
+    update,
+)
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -362,6 +373,18 @@ class _PgUnnest:
     def __init__(self, stmt: Any) -> None:
         self.stmt = stmt
         self._sql: dict[tuple[str, ...], tuple[str, dict[str, Any]]] = {}
+        # psycopg types an array by its elements and refuses a list that mixes int and float
+        # (or bool and int): each column's values are made its column's Python type first.
+        self._as: dict[str, Callable[[Any], Any]] = {}
+        for c in stmt.table.columns:
+            kind = c.type
+            self._as[c.name] = (
+                _json_text if isinstance(kind, JSON)
+                else float if isinstance(kind, Float)
+                else bool if isinstance(kind, Boolean)
+                else int if isinstance(kind, Integer)
+                else str
+            )  # fmt: skip
 
     def _compile(self, columns: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
         """The statement for rows with these keys, and the constants its clauses bind."""
@@ -382,13 +405,13 @@ class _PgUnnest:
         if columns not in self._sql:
             self._sql[columns] = self._compile(columns)
         sql, constants = self._sql[columns]
-        table = self.stmt.table
-        params = {
-            c: [_json_text(r[c]) for r in rows]
-            if isinstance(table.c[c].type, JSON)
-            else [r[c] for r in rows]
-            for c in columns
-        }
+        params: dict[str, Any] = {}
+        for c in columns:
+            to = self._as[c]
+            if to is _json_text:  # JSON: None is the JSON null, not SQL NULL
+                params[c] = [to(r[c]) for r in rows]
+            else:
+                params[c] = [None if r[c] is None else to(r[c]) for r in rows]
         return conn.exec_driver_sql(sql, {**params, **constants})
 
 

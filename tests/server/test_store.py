@@ -3,6 +3,7 @@ status from end events, transactions that leave nothing half-written, and the qu
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -22,6 +23,24 @@ def _run(db: Database, spec: simulate.SimSpec = SPEC, n_steps: int = 40) -> str:
         result = store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, evs))
         assert result is not None and result.accepted == len(evs)
     return rc.run_id
+
+
+def test_whole_numbers_in_float_fields_and_floats_side_by_side_are_stored(db: Database) -> None:
+    """One group mixes 1 and 0.5 in the same float column (JSON has one number type, so a
+    client may well send `1` for 1.0), and nulls beside values."""
+    rc = simulate.run_create(SPEC)
+    store.create_run(db, run=rc)
+    whole = dataclasses.replace(simulate.step_event(SPEC, 0, 0), step_time_s=1, loss=2,
+                                grad_norm=None, lr=0, time=1_700_000_000)  # fmt: skip
+    whole.collectives[0].latency_sum_s = 1
+    frac = dataclasses.replace(simulate.step_event(SPEC, 1, 0), step_time_s=0.5, loss=None)
+    result = store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, [whole, frac]))
+    assert result is not None and result.accepted == 2
+    got = queries.series(db=db, run_id=rc.run_id, metric="step_time_s")
+    assert got is not None
+    assert [(s["rank"], s["values"]) for s in got["series"]] == [(0, [1.0]), (1, [0.5])]
+    loss = queries.series(db=db, run_id=rc.run_id, metric="loss")
+    assert loss is not None and [(s["rank"], s["values"]) for s in loss["series"]] == [(0, [2.0])]
 
 
 def test_create_run_is_idempotent_on_run_id(db: Database) -> None:
