@@ -7,9 +7,13 @@ Layout of `save_checkpoint(dir, tag)` (tag defaults to `global_step<N>`):
                                     loss scaler, step counters, and the layout they assume
     dir/<tag>/module_extra.pt       rank 0: buffers and frozen parameters
 
-Loading needs the same world size, stage and segment layout (a clear error otherwise); it
-restores the masters and then rebuilds the compute-dtype parameters from them, exactly as
-after an optimizer step, so a resumed run continues bit for bit.
+Loading needs the same stage and segment layout (a clear error otherwise); it restores the
+masters and then rebuilds the compute-dtype parameters from them, exactly as after an
+optimizer step, so a resumed run continues bit for bit. At another world size (more or
+fewer ranks, the same config otherwise), every rank reads all the saved parts, joins each
+segment's fp32 master and optimizer state back into whole vectors and takes its own part
+of them under the new world size; keep the global batch (micro-batch × accumulation ×
+ranks) to continue the same training.
 """
 
 from __future__ import annotations
@@ -25,6 +29,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def _layout(engine: ZeroEngine) -> list[tuple[int, int, int]]:
     return [(s.numel, s.shards, s.group) for s in engine.parts.segments]
+
+
+def _members(layout: list[Any]) -> list[tuple[int, int]]:
+    """A layout without its shard counts: which segments, how large, in which group."""
+    return [(int(numel), int(group)) for numel, _shards, group in layout]
 
 
 def _extra_state(engine: ZeroEngine) -> dict[str, torch.Tensor]:
@@ -70,16 +79,77 @@ def _read(engine: ZeroEngine, load_dir: str | Path, tag: str | None) -> tuple[Pa
         tag = latest.read_text().strip()
     path = Path(load_dir) / tag
     file = path / f"zero_rank{engine.rank}.pt"
+    # A rank beyond the saving world reshards from every part: it starts from rank 0's.
+    first = path / "zero_rank0.pt"
+    if not file.exists() and first.exists():
+        file = first
     if not file.exists():
         raise FileNotFoundError(f"load_checkpoint: {file} does not exist (rank {engine.rank})")
     state = torch.load(file, map_location="cpu", weights_only=False)
-    for key, mine in (("world_size", engine.world_size), ("zero_stage", engine.zero_stage)):
-        if state[key] != mine:
-            raise ValueError(f"load_checkpoint: {key} {state[key]} in {path}, engine has {mine}")
-    if state["layout"] != _layout(engine):
+    if file == first and engine.rank > 0 and state["world_size"] > engine.rank:
+        raise FileNotFoundError(f"load_checkpoint: {path / f'zero_rank{engine.rank}.pt'} does "
+                                f"not exist (rank {engine.rank})")  # fmt: skip
+    if state["zero_stage"] != engine.zero_stage:
+        raise ValueError(f"load_checkpoint: zero_stage {state['zero_stage']} in {path}, "
+                         f"engine has {engine.zero_stage}")  # fmt: skip
+    if _members(state["layout"]) != _members(_layout(engine)):
         raise ValueError(f"load_checkpoint: {path} was saved for a different model or bucket "
                          "layout")  # fmt: skip
+    if state["world_size"] != engine.world_size:
+        state = _resharded(engine, path, state)
+    elif state["layout"] != _layout(engine):
+        raise ValueError(f"load_checkpoint: {path} was saved for a different shard layout")
     return path, state
+
+
+def _resharded(engine: ZeroEngine, path: Path, first: dict[str, Any]) -> dict[str, Any]:
+    """This rank's state under the engine's world size, from every part of a checkpoint
+    saved at another world size (`first` is one of them)."""
+    saved_world = int(first["world_size"])
+    parts = []
+    for r in range(saved_world):
+        file = path / f"zero_rank{r}.pt"
+        if not file.exists():
+            raise FileNotFoundError(
+                f"load_checkpoint: {file} does not exist (the checkpoint was saved by "
+                f"{saved_world} ranks; resharding to {engine.world_size} reads all of them)"
+            )
+        parts.append(torch.load(file, map_location="cpu", weights_only=False))
+    masters = engine.masters.masters
+    segments = [m.seg for m in masters]
+    by_segment = {seg.index: i for i, seg in enumerate(engine.parts.segments)}
+    saved_shards = [int(first["layout"][by_segment[seg.index]][1]) for seg in segments]
+
+    def mine(i: int, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """Master i's part on this rank, from the saved ranks' parts."""
+        seg = segments[i]
+        whole = torch.cat(pieces) if saved_shards[i] > 1 else pieces[0]
+        whole = whole[: seg.numel]
+        padded = torch.zeros(seg.padded, dtype=whole.dtype)
+        padded[: seg.numel] = whole
+        return seg.shard_of(padded).clone() if seg.sharded else padded[: seg.numel].clone()
+
+    state = dict(first)
+    state["masters"] = [mine(i, [p["masters"][i] for p in parts]) for i in range(len(masters))]
+    # The optimizer numbers its tensors in the order of its param groups; map each number
+    # to its master to find the part sizes.
+    master_of = {id(m.param): i for i, m in enumerate(masters)}
+    order = [master_of[id(t)] for g in engine.optimizer.param_groups for t in g["params"]]
+    optim = dict(first["optimizer"])
+    optim["state"] = {}
+    for pid, entry in first["optimizer"]["state"].items():
+        i = order[pid]
+        part_numel = parts[0]["masters"][i].numel()
+        optim["state"][pid] = {
+            key: mine(i, [p["optimizer"]["state"][pid][key] for p in parts])
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == part_numel
+            else value
+            for key, value in entry.items()
+        }
+    state["optimizer"] = optim
+    state["world_size"] = engine.world_size
+    state["layout"] = _layout(engine)
+    return state
 
 
 def load(engine: ZeroEngine, load_dir: str | Path, tag: str | None = None) -> str:
