@@ -52,4 +52,22 @@ def instrument(engine: Any, **kwargs: Any) -> Run:
     return _instrument(engine, **kwargs)
 
 
-__all__ = ["ConfigError", "__version__", "initialize", "instrument"]
+def init_distributed(*_: Any, **__: Any) -> None:
+    """DeepSpeed's `init_distributed`: join the job from torchrun's environment, NCCL with
+    CUDA and gloo without, whatever backend is named (`initialize` does this by itself)."""
+    from zerowatch.engine.comm import init_distributed as _init
+
+    _init()
+
+
+def __getattr__(name: str) -> Any:
+    # `zerowatch.zero` imports torch: only when a script asks for it (DeepSpeed's
+    # `deepspeed.zero.GatheredParameters` after `import zerowatch as deepspeed`).
+    if name == "zero":
+        import importlib
+
+        return importlib.import_module("zerowatch.zero")
+    raise AttributeError(f"module 'zerowatch' has no attribute {name!r}")
+
+
+__all__ = ["ConfigError", "__version__", "init_distributed", "initialize", "instrument"]

@@ -25,7 +25,9 @@ from torch.utils._pytree import tree_map
 from zerowatch import theory
 from zerowatch.config import ConfigError, ZeroWatchConfig
 from zerowatch.engine import checkpoint as _checkpoint
+from zerowatch.engine import gathered as _gathered
 from zerowatch.engine.comm import Comm
+from zerowatch.engine.flat import Segment, Slot
 from zerowatch.engine.hooks import ObserverRegistry
 from zerowatch.engine.optim import MasterWeights, StepStats, build_optimizer, state_tensors
 from zerowatch.engine.phases import Phases
@@ -156,6 +158,8 @@ class ZeroEngine:
         self.skipped_steps = 0
         self.last_step: StepStats | None = None
         self._step_open = False
+        self._slots: dict[int, tuple[Segment, Slot, Any]] | None = None
+        _gathered.register(self)
 
     # -- observers ---------------------------------------------------------------------------
 
@@ -287,6 +291,44 @@ class ZeroEngine:
             offload_optimizer=self.offload_optimizer, offload_param=self.offload_param,
             persistent_params=self.num_persistent_parameters)  # fmt: skip
 
+    # -- whole parameters outside the step (zerowatch.zero.GatheredParameters) -------------
+
+    def slot_index(self) -> dict[int, tuple[Segment, Slot, Any]]:
+        """id(trained parameter) -> (its segment, its slot, the segment's fp32 master)."""
+        if self._slots is None:
+            master_of = {m.seg.index: m for m in self.masters.masters}
+            self._slots = {id(s.param): (seg, s, master_of[seg.index])
+                           for seg in self.parts.segments for s in seg.slots}  # fmt: skip
+        return self._slots
+
+    def hold_whole(self, params: list[nn.Parameter]) -> Any:
+        """Make `params` whole (stage 3 gathers their units) until `release_whole(token)`."""
+        owner = self.parts.owners[0]
+        return (owner, owner.hold(params)) if hasattr(owner, "hold") else None
+
+    def release_whole(self, token: Any) -> None:
+        if token is not None:
+            owner, units = token
+            owner.unhold(units)
+
+    def take_changes(self, params: list[nn.Parameter], src: int) -> None:
+        """Broadcast `params` (whole now) from rank `src` and write them into this rank's
+        parameter part and fp32 master, so that training goes on from them."""
+        index = self.slot_index()
+        with torch.no_grad():
+            for p in params:
+                seg, slot, master = index[id(p)]
+                self.comm.broadcast(p.data, src=src, purpose="other")
+                # The part of this parameter that falls in this rank's part of the segment.
+                lo = max(slot.offset, seg.shard_offset)
+                hi = min(slot.offset + slot.numel, seg.shard_offset + seg.shard_numel)
+                if lo >= hi:
+                    continue
+                values = p.data.reshape(-1)[lo - slot.offset : hi - slot.offset]
+                at = lo - seg.shard_offset
+                seg.param_shard[at : at + hi - lo].copy_(values)
+                master.param[at : at + hi - lo].copy_(values)
+
     # -- checkpoints -------------------------------------------------------------------------
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None) -> str:
@@ -294,7 +336,7 @@ class ZeroEngine:
         return _checkpoint.save(self, save_dir, tag)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None) -> str:
-        """Load what `save_checkpoint` wrote (same world size and stage)."""
+        """Load what `save_checkpoint` wrote (same stage; any world size)."""
         return _checkpoint.load(self, load_dir, tag)
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:

@@ -202,7 +202,26 @@ class ShardedParams:
             self._forward_uses.setdefault(u, []).append(i)
             self._forward_prefix.append(self._forward_prefix[-1] + u.seg.numel)
 
-    def _start(self, u: _Unit) -> None:
+    def hold(self, params: list[nn.Parameter]) -> list[_Unit]:
+        """Gather the units holding `params` for use outside a pass (GatheredParameters),
+        until `unhold`; the hooks leave them gathered meanwhile."""
+        ids = {id(p) for p in params}
+        units = [u for u in self.units.values() if any(id(s.param) in ids for s in u.seg.slots)]
+        for u in units:
+            u.users += 1
+            if u.state is UnitState.SHARDED:
+                self._start(u, purpose="other")
+        for u in units:
+            self._wait(u)
+        return units
+
+    def unhold(self, units: list[_Unit]) -> None:
+        for u in units:
+            u.users -= 1
+            if u.users == 0:
+                self.release(u.seg)
+
+    def _start(self, u: _Unit, purpose: str = "param_fetch") -> None:
         src = u.seg.param_shard
         if self.offload:
             nbytes = src.numel() * src.element_size()
@@ -210,7 +229,7 @@ class ShardedParams:
                 src = src.to(self.device, copy=True)
         u.src = src
         u.full = torch.empty(u.seg.padded, device=self.device, dtype=self.dtype)
-        u.handle = self.comm.all_gather(u.full, src, purpose="param_fetch", async_op=True)
+        u.handle = self.comm.all_gather(u.full, src, purpose=purpose, async_op=True)
         u.state = UnitState.GATHERING
         self.gathered_numel += u.seg.numel
 
