@@ -18,9 +18,9 @@ units are needed; later passes issue the next units' all-gathers asynchronously 
 most `stage3_max_live_parameters` elements are gathered (DeepSpeed's meaning: every
 gathered element counts, in use or not; the units a module needs are gathered whatever the
 bound). A unit that the recorded forward uses again within `stage3_max_reuse_distance`
-elements (a block called twice) stays gathered until that use instead of being gathered
-anew, while the live bound allows. Every unit is released at the end of a pass, so a model whose
-blocks run once per pass moves exactly 3Ψ whatever these settings.
+elements (a block called twice, a weight tied to the LM head) stays gathered until that use
+instead of being gathered anew, while the live bound allows. Every unit is released at the
+end of a pass, so each pass gathers every unit once: 3Ψ per micro-batch.
 
 Small parameters (`stage3_param_persistence_threshold`) are not in any unit: they stay
 whole on every rank (see `ReplicatedParams`). A module that uses a parameter registered on
