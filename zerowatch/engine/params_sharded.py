@@ -20,7 +20,7 @@ gathered element counts, in use or not; the units a module needs are gathered wh
 bound). A unit that the recorded forward uses again within `stage3_max_reuse_distance`
 elements (a block called twice, a weight tied to the LM head) stays gathered until that use
 instead of being gathered anew, while the live bound allows. Every unit is released at the
-end of a pass, so each pass gathers every unit once: 3Ψ per micro-batch.
+end of a pass; within the reuse distance each pass gathers every unit once: 3Ψ per micro-batch.
 
 Small parameters (`stage3_param_persistence_threshold`) are not in any unit: they stay
 whole on every rank (see `ReplicatedParams`). A module that uses a parameter registered on
