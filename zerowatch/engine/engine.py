@@ -14,6 +14,7 @@ with `add_observer` (see hooks.py).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,13 @@ def _param_groups(module: nn.Module, model_parameters: Any,
     return [(names[id(p)], p, group_of[id(p)]) for p in trainable], options
 
 
+class _CallableInt(int):
+    """An int that also answers a call with itself (DeepSpeed makes some of these methods)."""
+
+    def __call__(self) -> int:
+        return int(self)
+
+
 class ZeroEngine:
     """A model trained with ZeRO stage 0-3; see the module docstring.
 
@@ -116,7 +124,10 @@ class ZeroEngine:
                              f"got stage {self.zero_stage}")  # fmt: skip
         if zc.offload_optimizer.device == "cpu" and self.zero_stage == 0:
             raise ConfigError("zero_optimization.offload_optimizer: needs stage 1, 2 or 3")
-        self.gradient_accumulation_steps = max(int(config.gradient_accumulation_steps), 1)
+        # An int that DeepSpeed scripts may also call: `engine.gradient_accumulation_steps()`.
+        self.gradient_accumulation_steps = _CallableInt(
+            max(int(config.gradient_accumulation_steps), 1)
+        )
         self.micro_batch_size = int(
             config.train_micro_batch_size_per_gpu
             or (config.train_batch_size or 0) // (self.gradient_accumulation_steps * self.world_size)
@@ -258,6 +269,31 @@ class ZeroEngine:
 
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    # DeepSpeed's accessors, for scripts that switch with `import zerowatch as deepspeed`.
+
+    @property
+    def global_rank(self) -> int:
+        return self.rank
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.micro_batch_size
+
+    def train_batch_size(self) -> int:
+        return self.micro_batch_size * int(self.gradient_accumulation_steps) * self.world_size
+
+    def get_global_grad_norm(self) -> float | None:
+        """The last step's global gradient norm before clipping (None before the first
+        step, or when it was not finite)."""
+        return self.last_step.grad_norm if self.last_step is not None else None
+
+    def was_step_applied(self) -> bool:
+        """False when the last step was skipped (an fp16 overflow)."""
+        return self.last_step is not None and not self.last_step.skipped
 
     # -- memory ------------------------------------------------------------------------------
 
