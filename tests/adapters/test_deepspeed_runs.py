@@ -21,6 +21,7 @@ import pytest
 from support.foreign_jobs import (
     DEEPSPEED_ACCUMULATION,
     DEEPSPEED_CONFIGS,
+    assert_every_step_stored,
     deepspeed_worker,
     job_run_id,
     run_job,
@@ -57,13 +58,7 @@ def job(server: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def test_every_step_of_every_rank_reaches_the_server(
     job: Any, server: LiveServer, config: str
 ) -> None:
-    run = server_run(server.api, job_run_id(job, config))
-    ranks = sorted(run["ranks"], key=lambda r: r["rank"])
-    assert [(r["rank"], r["steps"], r["last_step"]) for r in ranks] == [
-        (0, STEPS, STEPS - 1),
-        (1, STEPS, STEPS - 1),
-    ], server.log_tail()
-    assert all(r["end_status"] == "finished" and r["agent_errors"] == 0 for r in ranks)
+    assert_every_step_stored(server, job_run_id(job, config), STEPS)
 
 
 @pytest.mark.parametrize("config", CONFIGS)

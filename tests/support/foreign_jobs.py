@@ -397,6 +397,16 @@ def server_run(api: str, run_id: str) -> dict[str, Any]:
     return dict(r.json())
 
 
+def assert_every_step_stored(server: Any, run_id: str, steps: int, world: int = 2) -> None:
+    """Every rank of the run stored `steps` steps (0 .. steps-1) and finished cleanly."""
+    run = server_run(server.api, run_id)
+    ranks = sorted(run["ranks"], key=lambda r: r["rank"])
+    assert [(r["rank"], r["steps"], r["last_step"]) for r in ranks] == [
+        (rank, steps, steps - 1) for rank in range(world)
+    ], server.log_tail()
+    assert all(r["end_status"] == "finished" and r["agent_errors"] == 0 for r in ranks)
+
+
 def run_job(worker: Callable[..., None], out_dir: Path, *, server: str | None,
             configs: list[str], steps: int, batch: int = 64, world: int = 2,
             instrument: bool = True, timeout_s: float = 600.0) -> list[dict[str, Any]]:  # fmt: skip
