@@ -56,6 +56,20 @@ DEEPSPEED_TIMER_NAMES: Final = {
     "step": "optimizer_step",
 }
 
+#: The exclusive decomposition of a step: parts that never overlap and add up to the step
+#: time (the agent takes each phase's self time, so nested communication is counted once).
+#: Communication that compute hid is reported beside them (`StepEvent.hidden_comm_s`),
+#: never inside the sum. docs/timing.md defines each part on CPU and on GPU.
+STEP_PARTS: Final = (
+    "forward_compute",
+    "backward_compute",
+    "optimizer_step",
+    "exposed_param_gather",
+    "exposed_grad_reduce",
+    "exposed_offload",
+    "other",
+)
+
 COLLECTIVE_OPS: Final = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 CollectiveOp = Literal["all_gather", "reduce_scatter", "all_reduce", "broadcast"]
 
@@ -113,6 +127,8 @@ METRICS: Final = {
     "collective_busbw": "zerowatch_collective_bus_bandwidth_bytes_per_second",
     "collective_bytes": "zerowatch_collective_bytes",
     "exposed_comm": "zerowatch_exposed_communication_seconds",
+    "step_part": "zerowatch_step_part_seconds",
+    "hidden_comm": "zerowatch_hidden_communication_seconds",
     "offload_bw": "zerowatch_offload_bandwidth_bytes_per_second",
     "memory_peak": "zerowatch_memory_peak_bytes",
     "memory_capacity": "zerowatch_memory_capacity_bytes",
@@ -227,6 +243,11 @@ class StepEvent:
     #: Communication time compute did not hide: sync collectives plus the time spent
     #: blocked waiting on async ones.
     exposed_comm_s: float = 0.0
+    #: The exclusive decomposition (keys from STEP_PARTS; they sum to step_time_s). Empty
+    #: from agents that predate it.
+    parts: dict[str, float] = field(default_factory=dict)
+    #: Communication that ran while compute went on (overlapped, so not in `parts`).
+    hidden_comm_s: float = 0.0
     offload: list[OffloadStats] = field(default_factory=list)
     memory: MemoryStats | None = None
     #: Global gradient norm before clipping; None when non-finite or unknown.
@@ -246,6 +267,10 @@ class StepEvent:
     scalars: dict[str, float] = field(default_factory=dict)
     #: Raw spans for the trace export; only on sampled steps.
     spans: list[Span] | None = None
+    #: Where this rank runs: its host's name and its rank on that host (torchrun's
+    #: LOCAL_RANK), so ranks group by node. "" / -1 when unknown.
+    host: str = ""
+    local_rank: int = -1
     kind: Literal["step"] = "step"
 
 
@@ -317,6 +342,7 @@ __all__ = [
     "PURPOSES",
     "SCHEMA_VERSION",
     "STATE_KINDS",
+    "STEP_PARTS",
     "CollectiveStats",
     "EndEvent",
     "Event",
