@@ -22,6 +22,8 @@ the engine (which would count it too, but training must not even notice).
 from __future__ import annotations
 
 import math
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +46,10 @@ from zerowatch.agent.probes import (
 )
 
 from zerowatch import events as ev
+
+#: Where this process runs (torchrun sets LOCAL_RANK): ranks group by node on the server.
+_HOST = socket.gethostname()
+_LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "-1") or -1)
 
 _STEP_OR_TOP = frozenset(("step", *TOP_LEVEL))
 #: Ended steps whose CUDA timings are not in yet, kept at most.
@@ -321,6 +327,8 @@ class StepRecorder:
             mfu=flops.mfu(tokens_per_s, self._flops_per_token, cfg.peak_flops),
             scalars=dict(user.other),
             spans=self._spans(d, start_unix, step_time) if d.sampled else None,
+            host=_HOST,
+            local_rank=_LOCAL_RANK,
         )
 
     def _spans(self, d: StepDraft, start_unix: float, step_time: float) -> list[ev.Span]:

@@ -6,8 +6,6 @@ Standard library only, so that the figure builders stay pure functions of plain 
 
 from __future__ import annotations
 
-import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,7 +69,8 @@ class RankGrid:
 
 @dataclass(frozen=True)
 class Straggler:
-    """The slowest rank: its mean and how far above the median of all ranks' means."""
+    """The rank that stands out: its mean where it stood out, and the run's median
+    (read.series.outliers computes both; the page only shows them)."""
 
     rank: int
     mean: float
@@ -83,25 +82,9 @@ class Straggler:
         return self.mean / self.median - 1.0 if self.median > 0 else 0.0
 
 
-def straggler(grid: RankGrid, *, threshold: float = 0.05) -> Straggler | None:
-    """The rank whose mean is highest, when it exceeds the median of rank means by more than
-    `threshold` (5 %); None with fewer than two ranks or when no rank stands out."""
-    means: list[tuple[int, float]] = []
-    for rank, row in zip(grid.ranks, grid.z, strict=True):
-        vals = [v for v in row if v is not None and math.isfinite(v)]
-        if vals:
-            means.append((rank, sum(vals) / len(vals)))
-    if len(means) < 2:
-        return None
-    median = statistics.median(m for _, m in means)
-    rank, mean = max(means, key=lambda rm: rm[1])
-    found = Straggler(rank=rank, mean=mean, median=median)
-    return found if found.excess > threshold else None
-
-
 @dataclass(frozen=True)
 class RunSummary:
-    """One run as the figures of the compare page need it (means over the run's steps)."""
+    """One run as the figures of the compare page need it (read.compare's figures)."""
 
     run_id: str
     name: str
@@ -115,8 +98,12 @@ class RunSummary:
     comm_bytes: dict[str, float] = field(default_factory=dict)
     #: The theory's collective bytes per step, by op.
     comm_bytes_theory: dict[str, float] = field(default_factory=dict)
-    #: Mean seconds per phase per step.
+    #: Seconds per phase per step (median over ranks and steps; phases nest).
     phases: dict[str, float] = field(default_factory=dict)
+    #: Seconds per exclusive part of the step (events.STEP_PARTS; they add up to the step).
+    parts: dict[str, float] = field(default_factory=dict)
+    #: Communication compute hid (beside the parts, not in their sum).
+    hidden_comm_s: float | None = None
     step_time_s: float | None = None
     samples_per_s: float | None = None
 
@@ -149,6 +136,8 @@ class RunView:
     clipped_steps: list[int] = field(default_factory=list)
     skipped_steps: list[int] = field(default_factory=list)
     heat: RankGrid = field(default_factory=RankGrid)
+    #: The rank that stands out in busy time, as the server's read model found it.
+    straggler: Straggler | None = None
     #: The newest step any rank stored (-1: none yet).
     last_step: int = -1
 
@@ -162,4 +151,4 @@ class RunView:
         return e / s if e is not None and s else None
 
 
-__all__ = ["RankGrid", "RunSummary", "RunView", "Series", "SizePoints", "Straggler", "straggler"]
+__all__ = ["RankGrid", "RunSummary", "RunView", "Series", "SizePoints", "Straggler"]

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
 from zerowatch.dashboards import theme as th
-from zerowatch.dashboards.data import RankGrid, RunView, Series, SizePoints, straggler
+from zerowatch.dashboards.data import RankGrid, RunView, Series, SizePoints, Straggler
 
 from zerowatch.events import PHASES
 
@@ -359,9 +359,11 @@ def training(
     return fig
 
 
-def rank_heatmap(grid: RankGrid, *, quantity: str = "step time") -> go.Figure:
-    """Step time per rank (rows) over steps (columns); the title names the straggler."""
-    found = straggler(grid)
+def rank_heatmap(
+    grid: RankGrid, found: Straggler | None, *, quantity: str = "busy time"
+) -> go.Figure:
+    """A time per rank (rows) over steps (columns); the title names the straggler the
+    server's read model found (`found`), or says there is none."""
     title = f"{quantity.capitalize()} per rank"
     if found is not None:
         title += f" — straggler: rank {found.rank} ({found.excess:+.0%} vs median rank)"
@@ -432,7 +434,7 @@ def figures(view: RunView) -> dict[str, go.Figure]:
             clipped_steps=view.clipped_steps, skipped_steps=view.skipped_steps,
         )  # fmt: skip
     if view.heat.ranks and view.heat.steps:
-        out["ranks"] = rank_heatmap(view.heat)
+        out["ranks"] = rank_heatmap(view.heat, view.straggler)
     return out
 
 

@@ -1,9 +1,11 @@
 """The FastAPI application: `create_app(settings)` and `serve(...)` for `zerowatch serve`.
 
-The app owns three things, kept on `app.state`: the `Settings`, the `Database` (opened and
-migrated when the app is created) and the `LiveCache` behind /metrics (warmed at start from
-the runs that are still live). Routes: the JSON API (api.py) under /api/v1, `/metrics`,
-`/healthz`, and the HTML pages (pages.py) when that module is installed.
+The app owns, on `app.state`: the `Settings`, the `Database` (opened and migrated when the
+app is created), the `Ingestor` (group commit) and the rollup `Compactor` (read/rollups.py).
+Nothing a read answers lives only in this process: /metrics, run status and pages come from
+the database, so several server processes (`zerowatch serve --workers N`, or servers on one
+PostgreSQL database behind a load balancer) answer alike. Routes: the JSON API (api.py)
+under /api/v1, `/metrics`, `/healthz`, and the HTML pages (pages.py).
 
 Errors are JSON `{"detail": ...}`: validation problems are 422 with the location of each bad
 field (`loc`) and a one-line `message`; anything unforeseen is logged and answered 500
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -26,13 +28,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import OperationalError
 from starlette.concurrency import run_in_threadpool
-from zerowatch.server import api, queries
+from zerowatch.server import api
 from zerowatch.server.db import Database
 from zerowatch.server.deps import require_read
 from zerowatch.server.ingest import Ingestor
-from zerowatch.server.live import LiveCache
 from zerowatch.server.metrics import exposition
-from zerowatch.server.settings import Settings, get_settings
+from zerowatch.server.read.rollups import Compactor, Retention
+from zerowatch.server.settings import Settings, SettingsError, get_settings
 
 import zerowatch
 
@@ -88,25 +90,6 @@ class RejectNulMiddleware:
         await self.app(scope, receive, send)
 
 
-def _warm_live_cache(db: Database, live: LiveCache, settings: Settings) -> None:
-    for run in queries.live_runs(db=db, since=time.time() - settings.finished_grace_s):
-        last = run["last_event_at"] or run["created_at"]
-        if (
-            run["stored_status"] == "running"
-            and time.time() - last > settings.forget_silent_after_s
-        ):
-            continue
-        live.register(run)
-        for rank_state in queries.latest_steps(db=db, run_id=run["run_id"]):
-            live.apply(
-                run["run_id"],
-                [rank_state],
-                status=run["stored_status"],
-                last_event_at=run["last_event_at"],
-                ended_at=run["ended_at"],
-            )
-
-
 def _install_docs(app: FastAPI) -> None:
     """/docs from the installed Swagger UI bundle (no CDN: the server may have no internet).
 
@@ -157,14 +140,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """
     settings = settings or get_settings()
     db = Database.open(settings.db_url)
-    live = LiveCache()
+    compactor = Compactor(
+        db,
+        interval_s=settings.rollup_interval_s,
+        settle_s=settings.rollup_settle_s,
+        retention=Retention(
+            full_steps=settings.retention_full_steps, every=settings.retention_every
+        ),
+    )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        try:
-            await run_in_threadpool(_warm_live_cache, db, live, settings)
-        except Exception:  # a cold cache only means /metrics fills in as events arrive
-            log.exception("could not warm the live cache")
+        compactor.start()
         # What start-up built (modules, the schema, the app) lives as long as the process:
         # keep it out of the collector's full passes, which would otherwise walk all of it
         # now and then in the middle of a request (a query's p95 went from 15 to 80 ms).
@@ -173,6 +160,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         yield
         gc.unfreeze()  # an app that ends (tests start many) leaves nothing pinned behind
         ingestor.close()
+        await run_in_threadpool(compactor.close)
         db.close()
 
     try:
@@ -190,7 +178,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.db = db
-    app.state.live = live
+    app.state.compactor = compactor
     app.state.ingestor = ingestor = Ingestor(db, trace_sample_every=settings.trace_sample_every)
     _install_error_handlers(app)
     app.add_middleware(RejectNulMiddleware)
@@ -217,9 +205,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     def metrics() -> Response:
         """Prometheus text exposition of the live runs."""
         body = exposition(
-            live,
+            db,
             grace_s=settings.finished_grace_s,
             forget_after_s=settings.forget_silent_after_s,
+            top_k=settings.metrics_top_k,
         )
         return Response(body, media_type=PROMETHEUS_CONTENT_TYPE)
 
@@ -228,18 +217,56 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
+def app_from_env() -> FastAPI:
+    """The app with settings from the environment (uvicorn's factory for --workers)."""
+    return create_app(Settings.from_env())
+
+
 def serve(
-    host: str = "127.0.0.1", port: int = 8321, db_url: str | None = None, token: str | None = None
+    host: str = "127.0.0.1",
+    port: int = 8321,
+    db_url: str | None = None,
+    token: str | None = None,
+    workers: int = 1,
 ) -> None:
-    """Run the server with uvicorn (blocks). None for db_url/token: from the environment."""
+    """Run the server with uvicorn (blocks). None for db_url/token: from the environment.
+
+    `workers` > 1 starts that many processes on one port (uvicorn's workers); they share
+    nothing but the database, which must then be PostgreSQL (SQLite allows one writer
+    process: it stays the single-process default).
+
+    Raises:
+        SettingsError: several workers on SQLite.
+    """
     import uvicorn
 
     settings = Settings.from_env(db_url=db_url, token=token)
-    app = create_app(settings)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if workers > 1:
+        if settings.db_url.startswith("sqlite"):
+            raise SettingsError(
+                "--workers: several server processes need PostgreSQL (ZEROWATCH_DB_URL="
+                "postgresql+psycopg://...); SQLite serves one process"
+            )
+        # The workers build their apps from the environment: hand them these settings.
+        os.environ["ZEROWATCH_DB_URL"] = settings.db_url
+        if settings.token:
+            os.environ["ZEROWATCH_TOKEN"] = settings.token
+        Database.open(settings.db_url).close()  # migrate once, before the workers race
+        uvicorn.run(
+            "zerowatch.server.app:app_from_env",
+            factory=True,
+            host=host,
+            port=port,
+            workers=workers,
+            log_level="info",
+            access_log=False,
+        )
+        return
+    app = create_app(settings)
     uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
 
 
-__all__ = ["create_app", "serve"]
+__all__ = ["app_from_env", "create_app", "serve"]

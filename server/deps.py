@@ -1,6 +1,6 @@
-"""Dependencies shared by the routes: settings, database, live cache, and the token checks.
+"""Dependencies shared by the routes: settings, database, ingestor, and the token checks.
 
-The app keeps one `Settings`, one `Database` and one `LiveCache` on `app.state`; routes take
+The app keeps one `Settings`, one `Database` and one `Ingestor` on `app.state`; routes take
 them through the `Annotated` aliases below. Token rules: with `Settings.token` set, ingest and
 delete need `Authorization: Bearer <token>` (401 without it, 403 with another), and reads
 need it too when `read_requires_token` is set.
@@ -18,7 +18,6 @@ from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from zerowatch.server.db import Database
 from zerowatch.server.ingest import Ingestor
-from zerowatch.server.live import LiveCache
 from zerowatch.server.settings import Settings
 
 _bearer = HTTPBearer(auto_error=False, description="The server's token (ZEROWATCH_TOKEN).")
@@ -36,13 +35,8 @@ async def _ingestor(request: Request) -> Ingestor:
     return request.app.state.ingestor  # type: ignore[no-any-return]
 
 
-async def _live(request: Request) -> LiveCache:
-    return request.app.state.live  # type: ignore[no-any-return]
-
-
 SettingsDep = Annotated[Settings, Depends(_settings)]
 DbDep = Annotated[Database, Depends(_db)]
-LiveDep = Annotated[LiveCache, Depends(_live)]
 IngestorDep = Annotated[Ingestor, Depends(_ingestor)]
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
@@ -78,7 +72,6 @@ __all__ = [
     "Credentials",
     "DbDep",
     "IngestorDep",
-    "LiveDep",
     "SettingsDep",
     "check_token",
     "require_read",

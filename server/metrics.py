@@ -1,17 +1,32 @@
-"""`/metrics`: a prometheus-client Collector over the live cache.
+"""`/metrics`: a prometheus-client Collector over the read model, bounded per run.
 
-Nothing is registered per run: each scrape builds metric families from a snapshot of
-`LiveCache`, so a run that ends and passes its grace period simply stops appearing (no
-stale series to unregister). Names come from `events.METRICS` (the alert rules use the
-same dict); docs/metrics.md lists every metric with its unit and how it is measured.
+Each scrape reads the database (not this process's memory), so every server process of a
+deployment answers the same, whichever ingested what. Per live run it reads the newest
+step's rollups, the run's totals, and the rows of a few outlier ranks: a handful of
+indexed queries, whatever the world size.
 
-Labels: `run` (run_id) and `project` on everything; `rank` where the value is per rank;
-`phase`, `op`, `direction`, `kind` where the metric has those dimensions.
+What a run exposes (names from `events.METRICS`; docs/metrics.md lists each):
+
+- rank statistics of the newest step, label `stat` in `STATS` (min, p50, p90, max, mean),
+  for every gauge: step time, busy time, phases, exclusive parts, exposed and hidden
+  communication, bus bandwidth and bytes per op, offload bandwidth, memory peaks,
+  model-state bytes and their theory, grad norm, loss, loss scale, throughput;
+- per-rank series (label `rank`, `stat` empty) only for the `top_k` ranks that stand out
+  in busy time over the newest `OUTLIER_WINDOW` steps: the scalar gauges, phases and parts;
+- one latency histogram per op, summed over ranks and cumulative over the run;
+- counters per run: rank-steps stored, steps skipped (fp16 overflow), non-finite steps.
+
+A gauge family has both `stat` and `rank` labels; one of them is empty on each series
+(Prometheus drops empty labels), so `zerowatch_step_time_seconds{stat="p50"}` is the run's
+median and `zerowatch_step_time_seconds{rank="17"}` an outlier rank's own value. A 4,096-rank
+run exposes a few hundred series, and so does a 2-rank run.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -21,202 +36,222 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
-from zerowatch.server.live import LiveCache, RunLive
+from sqlalchemy import Connection, func, select
+from zerowatch.server import models as m
+from zerowatch.server.db import Database
+from zerowatch.server.read import rollups, runs, series
+from zerowatch.server.read.rollups import Stats
+from zerowatch.server.read.vocabulary import rank_values
 
 from zerowatch import events as ev
 
 M = ev.METRICS
 BUCKET_BOUNDS = [*(repr(float(b)) for b in ev.LATENCY_BUCKETS), "+Inf"]
+#: The rank statistics exposed per gauge.
+STATS = ("min", "p50", "p90", "max", "mean")
+#: Steps over which the outlier ranks are chosen.
+OUTLIER_WINDOW = 10
 
 RUN = ["run", "project"]
-RANK = ["run", "project", "rank"]
+GAUGE = ["run", "project", "stat", "rank"]
 
-#: (key in events.METRICS, documentation, label names) for the plain per-rank gauges.
-RANK_GAUGES = {
-    "step_time": "Wall-clock time of the newest optimizer step.",
-    "optimizer_step": "Time of the optimizer step phase in the newest step (CPU Adam when offloaded).",
-    "exposed_comm": "Communication time compute did not hide in the newest step.",
-    "grad_norm": "Global gradient norm before clipping in the newest step.",
-    "loss": "Training loss reported for the newest step.",
-    "loss_scale": "Dynamic loss scale (fp16) in the newest step.",
-    "samples_per_second": "Samples per second of this rank in the newest step.",
-    "tokens_per_second": "Tokens per second of this rank in the newest step.",
-    "memory_capacity": "Memory capacity of the rank's device.",
+#: Plain gauges: key in events.METRICS -> (vocabulary metric, documentation).
+SCALARS = {
+    "step_time": ("step_time_s", "Wall-clock time of the newest optimizer step."),
+    "busy": ("busy_s", "Step time less exposed communication: the time a rank computes."),
+    "optimizer_step": (
+        "phase.optimizer_step",
+        "Time of the optimizer step phase in the newest step (CPU Adam when offloaded).",
+    ),
+    "exposed_comm": ("exposed_comm_s", "Communication time compute did not hide."),
+    "hidden_comm": ("hidden_comm_s", "Communication time that ran under compute."),
+    "grad_norm": ("grad_norm", "Global gradient norm before clipping."),
+    "loss": ("loss", "Training loss reported for the newest step."),
+    "loss_scale": ("loss_scale", "Dynamic loss scale (fp16)."),
+    "samples_per_second": ("samples_per_s", "Samples per second of a rank."),
+    "tokens_per_second": ("tokens_per_s", "Tokens per second of a rank."),
+    "memory_capacity": ("memory.capacity", "Memory capacity of a rank's device."),
+}
+#: Keyed gauges: key in events.METRICS -> (vocabulary prefix, label, documentation, per rank).
+KEYED = {
+    "phase": ("phase.", "phase", "Time of each phase (phases nest: see docs/timing.md).", True),
+    "step_part": ("part.", "part", "Exclusive parts of the step; they add up to it.", True),
+    "collective_busbw": ("collective.*.busbw", "op", "Bus bandwidth (nccl-tests) per op.", False),
+    "collective_bytes": ("collective.*.bytes", "op", "Bytes (nccl-tests size) per op.", False),
+    "offload_bw": ("offload.*.bandwidth", "direction", "Host-device copy bandwidth.", False),
+    "memory_peak": ("memory.peak.", "phase", "Peak memory of each phase.", False),
+    "model_state": ("memory.state.", "kind", "Model-state bytes held, by kind.", False),
+    "model_state_theory": (
+        "memory.theory.",
+        "kind",
+        "Model-state bytes the ZeRO model predicts, by kind.",
+        False,
+    ),
 }
 
 
-class LiveRunsCollector(Collector):
-    """Exposes the live runs of a LiveCache."""
+def _keyed(metric: str, prefix: str) -> str | None:
+    """The label value of `metric` under a KEYED prefix, or None."""
+    if "*" in prefix:
+        head, tail = prefix.split("*")
+        if metric.startswith(head) and metric.endswith(tail):
+            mid = metric[len(head) : len(metric) - len(tail)]
+            return mid if mid and "." not in mid else None
+        return None
+    if metric.startswith(prefix):
+        rest = metric[len(prefix) :]
+        return rest if rest and "." not in rest else None
+    return None
+
+
+class _Families:
+    def __init__(self) -> None:
+        self.info = GaugeMetricFamily(
+            M["run_info"], "Run description; value 1.",
+            labels=[*RUN, "name", "stage", "precision", "offload_optimizer", "offload_param",
+                    "engine", "world_size"],
+        )  # fmt: skip
+        self.running = GaugeMetricFamily(
+            M["run_running"], "1 while the run has not ended (also when stalled), else 0.",
+            labels=RUN,
+        )  # fmt: skip
+        self.last = GaugeMetricFamily(
+            M["last_event"], "Unix time of the run's newest event.", labels=RUN
+        )
+        self.steps = CounterMetricFamily(M["steps"], "Rank-steps stored for the run.", labels=RUN)
+        self.skipped = CounterMetricFamily(
+            M["skipped_steps"], "Optimizer steps skipped (fp16 overflow) on any rank.",
+            labels=RUN,
+        )  # fmt: skip
+        self.nonfinite = CounterMetricFamily(
+            M["nonfinite"], "Steps with a non-finite loss or gradient on any rank.", labels=RUN
+        )
+        self.latency = HistogramMetricFamily(
+            M["collective_latency"],
+            "Latency of collective calls, summed over ranks, cumulative over the run.",
+            labels=[*RUN, "op"],
+        )
+        self.scalars = {k: GaugeMetricFamily(M[k], doc, labels=GAUGE)
+                        for k, (_, doc) in SCALARS.items()}  # fmt: skip
+        self.keyed = {k: GaugeMetricFamily(M[k], doc, labels=[*GAUGE, label])
+                      for k, (_, label, doc, _) in KEYED.items()}  # fmt: skip
+
+    def all(self) -> Iterator[Metric]:
+        yield from (self.info, self.running, self.last, self.steps, self.skipped,
+                    self.nonfinite, self.latency)  # fmt: skip
+        yield from self.scalars.values()
+        yield from self.keyed.values()
+
+
+def _add_values(
+    fam: _Families, run: list[str], values: dict[str, float], *, stat: str, rank: str,
+    per_rank: bool,
+) -> None:  # fmt: skip
+    for key, (metric, _) in SCALARS.items():
+        v = values.get(metric)
+        if v is not None:
+            fam.scalars[key].add_metric([*run, stat, rank], v)
+    for name, v in values.items():
+        for key, (prefix, _, _, on_ranks) in KEYED.items():
+            if per_rank and not on_ranks:
+                continue
+            label = _keyed(name, prefix)
+            if label is not None:
+                fam.keyed[key].add_metric([*run, stat, rank, label], v)
+
+
+def _outlier_values(conn: Connection, pk: int, ranks: list[int], step: int) -> dict[int, dict]:
+    """The outlier ranks' own values at `step` (their rows, by the (run, step) index)."""
+    if not ranks:
+        return {}
+    s = m.steps.c
+    cols = [s[c] for c in ("rank", "seq", "step", "step_time_s", "exposed_comm_s",
+                           "hidden_comm_s", "grad_norm", "loss", "lr", "loss_scale",
+                           "samples_per_s", "tokens_per_s", "mfu", "samples", "tokens",
+                           "skipped", "nonfinite", "clipped", "phases", "parts", "offload",
+                           "memory", "scalars")]  # fmt: skip
+    rows = conn.execute(select(*cols).where(s.run == pk, s.step == step, s.rank.in_(ranks))).all()
+    return {int(r.rank): rank_values(r._mapping, ()) for r in rows}
+
+
+def _collect_run(conn: Connection, fam: _Families, row: Any, *, top_k: int, now: float) -> None:
+    pk = int(row.id)
+    run = [row.run_id, row.project]
+    fam.info.add_metric(
+        [*run, row.name, str(row.zero_stage), row.precision, row.offload_optimizer,
+         row.offload_param, row.engine, str(row.world_size)], 1.0,
+    )  # fmt: skip
+    fam.running.add_metric(run, 1.0 if row.status == "running" else 0.0)
+    if row.last_event_at is not None:
+        fam.last.add_metric(run, min(row.last_event_at, now))
+    stored = conn.execute(
+        select(func.coalesce(func.sum(m.rank_states.c.steps), 0)).where(m.rank_states.c.run == pk)
+    ).scalar()
+    fam.steps.add_metric(run, float(stored or 0))
+    tot = rollups.totals(conn, pk)
+    fam.skipped.add_metric(run, tot.get(rollups.SKIPPED, (0.0, []))[0])
+    fam.nonfinite.add_metric(run, tot.get(rollups.NONFINITE, (0.0, []))[0])
+    for op in ev.COLLECTIVE_OPS:
+        value, buckets = tot.get(f"hist.{op}", (0.0, []))
+        if not buckets:
+            continue
+        cum, acc = [], 0
+        for bound, n in zip(BUCKET_BOUNDS, buckets, strict=True):
+            acc += n
+            cum.append((bound, acc))
+        fam.latency.add_metric([*run, op], cum, value)
+    newest = rollups.newest_steps(conn, pk, "step_time_s", 1)
+    if not newest:
+        return
+    step = newest[0]
+    got: dict[str, dict[int, Stats]] = rollups.read(conn, pk, None, steps_in=newest)
+    for stat in STATS:
+        values = {name: per[step].get(stat) for name, per in got.items() if step in per}
+        _add_values(fam, run, values, stat=stat, rank="", per_rank=False)
+    if top_k and row.world_size > 1:
+        window = rollups.newest_steps(conn, pk, "busy_s", OUTLIER_WINDOW)
+        ranks = [
+            o["rank"]
+            for o in series.outliers(conn, pk, "busy_s", k=top_k, step_from=window[0], low=False)
+        ] if window else []  # fmt: skip
+        for rank, values in sorted(_outlier_values(conn, pk, ranks, step).items()):
+            _add_values(fam, run, values, stat="", rank=str(rank), per_rank=True)
+
+
+class ReadModelCollector(Collector):
+    """Exposes the live runs of a database (see the module docstring)."""
 
     def __init__(
-        self, live: LiveCache, *, grace_s: float, forget_after_s: float = float("inf")
-    ) -> None:
-        self.live = live
+        self, db: Database, *, grace_s: float, forget_after_s: float = float("inf"),
+        top_k: int = 8,
+    ) -> None:  # fmt: skip
+        self.db = db
         self.grace_s = grace_s
         self.forget_after_s = forget_after_s
+        self.top_k = top_k
 
     def describe(self) -> list[Metric]:
-        # Do not call collect() at registration time.
-        return []
+        return []  # do not collect at registration
 
     def collect(self) -> Iterator[Metric]:
-        runs = self.live.snapshot(grace_s=self.grace_s, forget_after_s=self.forget_after_s)
-        yield from _run_families(runs)
-        yield from _rank_families(runs)
+        fam = _Families()
+        now = time.time()
+        forget = min(self.forget_after_s, 1e12)
+        with self.db.read() as conn:
+            for row in runs.live_rows(conn, now=now, grace_s=self.grace_s, forget_after_s=forget):
+                _collect_run(conn, fam, row, top_k=self.top_k, now=now)
+        yield from fam.all()
 
 
-def _run_families(runs: list[RunLive]) -> Iterator[Metric]:
-    info = GaugeMetricFamily(
-        M["run_info"],
-        "Run description; value 1.",
-        labels=[
-            *RUN,
-            "name",
-            "stage",
-            "precision",
-            "offload_optimizer",
-            "offload_param",
-            "engine",
-            "world_size",
-        ],
-    )
-    running = GaugeMetricFamily(
-        M["run_running"], "1 while the run has not ended (also when stalled), else 0.", labels=RUN
-    )
-    last = GaugeMetricFamily(M["last_event"], "Unix time of the run's newest event.", labels=RUN)
-    for r in runs:
-        i = r.info
-        info.add_metric(
-            [
-                r.run_id,
-                r.project,
-                i["name"],
-                i["stage"],
-                i["precision"],
-                i["offload_optimizer"],
-                i["offload_param"],
-                i["engine"],
-                i["world_size"],
-            ],
-            1.0,
-        )
-        running.add_metric([r.run_id, r.project], 1.0 if r.status == "running" else 0.0)
-        if r.last_event_at is not None:
-            last.add_metric([r.run_id, r.project], r.last_event_at)
-    yield info
-    yield running
-    yield last
-
-
-def _rank_families(runs: list[RunLive]) -> Iterator[Metric]:
-    gauges = {k: GaugeMetricFamily(M[k], doc, labels=RANK) for k, doc in RANK_GAUGES.items()}
-    steps = CounterMetricFamily(
-        M["steps"], "Steps stored for this rank since the server started.", labels=RANK
-    )
-    skipped = CounterMetricFamily(
-        M["skipped_steps"], "Optimizer steps skipped (fp16 overflow).", labels=RANK
-    )
-    nonfinite = CounterMetricFamily(
-        M["nonfinite"], "Steps with a non-finite loss or gradient.", labels=RANK
-    )
-    phase = GaugeMetricFamily(
-        M["phase"], "Time of each phase in the newest step.", labels=[*RANK, "phase"]
-    )
-    latency = HistogramMetricFamily(
-        M["collective_latency"],
-        "Latency of collective calls, cumulative over the run.",
-        labels=[*RANK, "op"],
-    )
-    busbw = GaugeMetricFamily(
-        M["collective_busbw"],
-        "Bus bandwidth (nccl-tests) of each op in the newest step.",
-        labels=[*RANK, "op"],
-    )
-    cbytes = GaugeMetricFamily(
-        M["collective_bytes"],
-        "Bytes (nccl-tests size) of each op in the newest step.",
-        labels=[*RANK, "op"],
-    )
-    offload = GaugeMetricFamily(
-        M["offload_bw"],
-        "Host-device copy bandwidth in the newest step.",
-        labels=[*RANK, "direction"],
-    )
-    peak = GaugeMetricFamily(
-        M["memory_peak"], "Peak memory of each phase in the newest step.", labels=[*RANK, "phase"]
-    )
-    state = GaugeMetricFamily(
-        M["model_state"], "Model-state bytes the engine holds, by kind.", labels=[*RANK, "kind"]
-    )
-    theory = GaugeMetricFamily(
-        M["model_state_theory"],
-        "Model-state bytes the ZeRO model predicts, by kind.",
-        labels=[*RANK, "kind"],
-    )
-    for r in runs:
-        for rank, rl in sorted(r.ranks.items()):
-            lv = [r.run_id, r.project, str(rank)]
-            steps.add_metric(lv, rl.steps_total)
-            skipped.add_metric(lv, rl.skipped_total)
-            nonfinite.add_metric(lv, rl.nonfinite_total)
-            for op, t in sorted(rl.ops.items()):
-                cum, acc = [], 0
-                for bound, n in zip(BUCKET_BOUNDS, t.buckets, strict=True):
-                    acc += n
-                    cum.append((bound, acc))
-                latency.add_metric([*lv, op], cum, t.latency_sum_s)
-                busbw.add_metric([*lv, op], t.last_busbw)
-                cbytes.add_metric([*lv, op], t.last_bytes)
-            e = rl.latest
-            if e is None:
-                continue
-            values = {
-                "step_time": e.step_time_s,
-                "optimizer_step": e.phases.get("optimizer_step"),
-                "exposed_comm": e.exposed_comm_s,
-                "grad_norm": e.grad_norm,
-                "loss": e.loss,
-                "loss_scale": e.loss_scale,
-                "samples_per_second": e.samples_per_s,
-                "tokens_per_second": e.tokens_per_s,
-                "memory_capacity": (e.memory.capacity_bytes or None) if e.memory else None,
-            }
-            for k, v in values.items():
-                if v is not None:
-                    gauges[k].add_metric(lv, float(v))
-            for name, seconds in sorted(e.phases.items()):
-                phase.add_metric([*lv, name], seconds)
-            for o in e.offload:
-                bw = o.bandwidth_bytes_per_s or (o.bytes / o.seconds if o.seconds > 0 else 0.0)
-                offload.add_metric([*lv, o.direction], bw)
-            if e.memory is not None:
-                for name, b in sorted(e.memory.peak_by_phase.items()):
-                    peak.add_metric([*lv, name], b)
-                for kind, b in sorted(e.memory.model_state.items()):
-                    state.add_metric([*lv, kind], b)
-                for kind, b in sorted(e.memory.model_state_theory.items()):
-                    theory.add_metric([*lv, kind], b)
-    yield from gauges.values()
-    yield from (
-        steps,
-        skipped,
-        nonfinite,
-        phase,
-        latency,
-        busbw,
-        cbytes,
-        offload,
-        peak,
-        state,
-        theory,
-    )
-
-
-def exposition(live: LiveCache, *, grace_s: float, forget_after_s: float = float("inf")) -> bytes:
+def exposition(
+    db: Database, *, grace_s: float, forget_after_s: float = float("inf"), top_k: int = 8
+) -> bytes:
     """The Prometheus text exposition of the live runs."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(LiveRunsCollector(live, grace_s=grace_s, forget_after_s=forget_after_s))
+    registry.register(
+        ReadModelCollector(db, grace_s=grace_s, forget_after_s=forget_after_s, top_k=top_k)
+    )
     return generate_latest(registry)
 
 
-__all__ = ["LiveRunsCollector", "exposition"]
+__all__ = ["OUTLIER_WINDOW", "STATS", "ReadModelCollector", "exposition"]

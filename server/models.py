@@ -15,6 +15,17 @@ storage is the *rank-step*, never the individual collective call:
 - `rank_states`: per (run, rank) counters kept current on ingest (steps stored, last step,
   how the rank ended), so a run's page never counts a million rows.
 - `runs` and `run_tags`: one row per job, its tags one row each (for the tag filter).
+- `step_rollups`: the read model. One row per (run, step, metric): the distribution of that
+  metric over the step's ranks (n, min, p10, p50, p90, max, mean, the ranks at the min and
+  the max, and the ranks at both ends). Written by the compactor (rollups.py) from the
+  per-rank rows; every read that is not about named ranks reads these, so its cost follows
+  steps, not steps x ranks.
+- `dirty_steps`: (run, step) pairs whose per-rank rows changed since their rollup was
+  written, with a version that every ingest bumps (the compactor clears a mark only if the
+  version it read is still there, so a late rank is never lost).
+- `run_totals`: per run, running totals the compactor keeps by deltas (steps skipped or
+  non-finite, the latency histogram of each collective op summed over ranks): /metrics
+  reads them in one query whatever the run's length.
 
 Runs are referenced by an integer surrogate key (`runs.id`) to keep the big tables narrow.
 """
@@ -90,6 +101,9 @@ class RankState(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     dropped_events: Mapped[int] = mapped_column(BigInteger, default=0)
     agent_errors: Mapped[int] = mapped_column(BigInteger, default=0)
+    #: The host the rank runs on and its rank there (from its step events).
+    host: Mapped[str | None] = mapped_column(Text, nullable=True)
+    local_rank: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class Step(Base):
@@ -118,6 +132,9 @@ class Step(Base):
     mfu: Mapped[float | None] = mapped_column(Float, nullable=True)
     #: {phase: seconds}
     phases: Mapped[dict[str, Any]] = mapped_column(JSON)
+    #: The exclusive decomposition {part: seconds} (events.STEP_PARTS); sums to step_time_s.
+    parts: Mapped[dict[str, Any]] = mapped_column(JSON)
+    hidden_comm_s: Mapped[float] = mapped_column(Float)
     #: {"d2h": {"bytes": n, "seconds": s, "bandwidth": b}, "h2d": {...}}
     offload: Mapped[dict[str, Any]] = mapped_column(JSON)
     #: events.MemoryStats as a dict ({} when the step carried none).
@@ -171,25 +188,86 @@ class SpanSet(Base):
     __table_args__ = (Index("ix_spans_run_step", "run", "step"),)
 
 
+class StepRollup(Base):
+    """One metric of one step, summarised over the step's ranks."""
+
+    __tablename__ = "step_rollups"
+
+    run: Mapped[int] = mapped_column(Integer, primary_key=True)
+    metric: Mapped[str] = mapped_column(Text, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    #: Ranks that reported a value.
+    n: Mapped[int] = mapped_column(Integer)
+    min: Mapped[float] = mapped_column(Float)
+    p10: Mapped[float] = mapped_column(Float)
+    p50: Mapped[float] = mapped_column(Float)
+    p90: Mapped[float] = mapped_column(Float)
+    max: Mapped[float] = mapped_column(Float)
+    mean: Mapped[float] = mapped_column(Float)
+    min_rank: Mapped[int] = mapped_column(Integer)
+    max_rank: Mapped[int] = mapped_column(Integer)
+    #: {"hi": [[rank, value], ...], "lo": [...]}: the ranks at both ends (rollups.TOP_K
+    #: each), for outlier tables and /metrics' per-rank series; for a collective op's
+    #: latency also "hist": the step's latency histogram summed over ranks.
+    extra: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+    # Clustered by (run, metric, step) on SQLite: a series reads one contiguous range.
+    __table_args__ = ({"sqlite_with_rowid": False},)
+
+
+class DirtyStep(Base):
+    """A step whose rollups are stale (rows arrived since they were computed)."""
+
+    __tablename__ = "dirty_steps"
+
+    run: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    version: Mapped[int] = mapped_column(BigInteger)
+    #: Server time of the first mark (the compactor lets a step settle before it rolls up).
+    since: Mapped[float] = mapped_column(Float)
+
+
+class RunTotal(Base):
+    """A running total of one run, kept by the compactor (see the module docstring)."""
+
+    __tablename__ = "run_totals"
+
+    run: Mapped[int] = mapped_column(Integer, primary_key=True)
+    key: Mapped[str] = mapped_column(Text, primary_key=True)
+    value: Mapped[float] = mapped_column(Float)
+    #: Histogram counts (non-cumulative, events.LATENCY_BUCKETS then +Inf) where the total
+    #: is a histogram; [] otherwise.
+    buckets: Mapped[list[Any]] = mapped_column(JSON)
+
+
 runs = Run.__table__
 run_tags = RunTag.__table__
 rank_states = RankState.__table__
 steps = Step.__table__
 collectives = Collective.__table__
 spans = SpanSet.__table__
+step_rollups = StepRollup.__table__
+dirty_steps = DirtyStep.__table__
+run_totals = RunTotal.__table__
 
 __all__ = [
     "Base",
     "Collective",
+    "DirtyStep",
     "RankState",
     "Run",
     "RunTag",
+    "RunTotal",
     "SpanSet",
     "Step",
+    "StepRollup",
     "collectives",
+    "dirty_steps",
     "rank_states",
     "run_tags",
+    "run_totals",
     "runs",
     "spans",
+    "step_rollups",
     "steps",
 ]

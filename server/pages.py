@@ -26,8 +26,8 @@ from zerowatch.dashboards import html
 from zerowatch.dashboards import plan as plan_figs
 from zerowatch.dashboards import run as run_figs
 from zerowatch.dashboards import theme as th
-from zerowatch.dashboards.data import RunView, Series, straggler
-from zerowatch.server import page_queries, queries
+from zerowatch.dashboards.data import RunView, Series
+from zerowatch.server import page_queries, read
 from zerowatch.server.deps import DbDep, SettingsDep, require_read
 
 from zerowatch import plan as planner
@@ -130,7 +130,7 @@ def runs_page(
     """The runs: a table with filters and "compare selected"."""
     project, status, tag = project or None, status or None, tag or None
     now = time.time()
-    runs = queries.list_runs(db=db, project=project, status=status if status in STATUSES else None,
+    runs = read.list_runs(db=db, project=project, status=status if status in STATUSES else None,
                              tag=tag, stalled_after_s=settings.stalled_after_s,
                              recent_steps=settings.recent_steps, now=now)  # fmt: skip
     if status and status not in STATUSES:
@@ -151,7 +151,7 @@ def runs_page(
 
 def _summary(view: RunView) -> dict[str, str]:
     run = view.run
-    found = straggler(view.heat)
+    found = view.straggler
     share = view.exposed_share
     return {
         "steps": str(view.last_step + 1 if view.last_step >= 0 else 0),
@@ -177,7 +177,7 @@ def _refine(view: RunView, run_id: str, figures: dict[str, Any]) -> list[dict[st
         return []
     url = (
         f"/api/v1/runs/{quote(run_id, safe='')}/series"
-        f"?metric=grad_norm&rank=0&max_points={page_queries.MAX_POINTS}"
+        f"?metric=grad_norm&ranks=0&max_points={page_queries.MAX_POINTS}"
     )
     return [{"chart": "training", "trace": 0, "url": url}]
 

@@ -45,6 +45,16 @@ class Settings:
     recent_steps: int = 20
     #: Most steps one trace export may cover.
     max_trace_steps: int = 200
+    #: How often the compactor rolls dirty steps up, and how long a step's first rank
+    #: waits for the others before its first rollup (reads are exact either way).
+    rollup_interval_s: float = 0.5
+    rollup_settle_s: float = 0.5
+    #: Retention of per-rank rows: every step of the newest `retention_full_steps` steps,
+    #: every `retention_every`-th before them (0 keeps every step). Rollups stay whole.
+    retention_full_steps: int = 10_000
+    retention_every: int = 10
+    #: Outlier ranks per run that /metrics exposes with a `rank` label.
+    metrics_top_k: int = 8
 
     def __post_init__(self) -> None:
         if not self.db_url:
@@ -52,7 +62,14 @@ class Settings:
         for name in ("stalled_after_s", "finished_grace_s", "forget_silent_after_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name}: must be > 0, got {getattr(self, name)}")
-        for name in ("max_batch_bytes", "trace_sample_every", "recent_steps", "max_trace_steps"):
+        for name in ("rollup_interval_s", "rollup_settle_s"):
+            if getattr(self, name) < 0:
+                raise SettingsError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        for name in ("retention_full_steps", "metrics_top_k"):
+            if getattr(self, name) < 0:
+                raise SettingsError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        for name in ("max_batch_bytes", "trace_sample_every", "recent_steps", "max_trace_steps",
+                     "retention_every"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.token == "":

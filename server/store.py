@@ -191,7 +191,10 @@ def delete_run(db: Database, *, run_id: str) -> bool:
         ref = run_ref(conn, run_id=run_id)
         if ref is None:
             return False
-        for table in (m.spans, m.collectives, m.steps, m.rank_states, m.run_tags):
+        for table in (
+            m.spans, m.collectives, m.steps, m.rank_states, m.run_tags, m.step_rollups,
+            m.dirty_steps, m.run_totals,
+        ):  # fmt: skip
             conn.execute(delete(table).where(table.c.run == ref.pk))
         conn.execute(delete(m.runs).where(m.runs.c.id == ref.pk))
         return True
@@ -254,6 +257,8 @@ def _step_row(pk: int, e: ev.StepEvent) -> dict[str, Any]:
         "tokens_per_s": e.tokens_per_s,
         "mfu": e.mfu,
         "phases": e.phases,
+        "parts": e.parts,
+        "hidden_comm_s": e.hidden_comm_s,
         "offload": {
             o.direction: {
                 "bytes": o.bytes,
@@ -345,9 +350,16 @@ class _Statements:
                     "last_time": greatest(
                         func.coalesce(rs.c.last_time, 0.0), up.excluded.last_time
                     ),
+                    "host": func.coalesce(up.excluded.host, rs.c.host),
+                    "local_rank": func.coalesce(up.excluded.local_rank, rs.c.local_rank),
                 },
             ),
         }
+        dirty = ins(m.dirty_steps)
+        self._inserts["dirty"] = dirty.on_conflict_do_update(
+            index_elements=["run", "step"],
+            set_={"version": m.dirty_steps.c.version + 1},
+        )
         if dialect == "postgresql":
             self._inserts = {k: _PgUnnest(v) for k, v in self._inserts.items()}
         newest = bindparam("newest", type_=Float)
@@ -536,6 +548,7 @@ def ingest_many(
                 res.duplicates += 1
         _write_details(conn, st, new, trace_sample_every)
         _bump_ranks(conn, st, new)
+        _mark_dirty(conn, st, new, now)
 
     for ref, res, e in ends:
         if _record_end(conn, ref.pk, e):
@@ -593,12 +606,16 @@ def _write_details(
 def _bump_ranks(conn: Connection, st: _Statements, new: list[tuple[int, ev.StepEvent]]) -> None:
     """One upsert row per (run, rank): PostgreSQL refuses to update a row twice in one
     statement, so the batches' steps are summed here first."""
-    per_rank: dict[tuple[int, int], list[float]] = {}
+    per_rank: dict[tuple[int, int], list[Any]] = {}
     for pk, e in new:
-        acc = per_rank.setdefault((pk, e.rank), [0, -1, 0.0])
+        acc = per_rank.setdefault((pk, e.rank), [0, -1, 0.0, None, None])
         acc[0] += 1
         acc[1] = max(acc[1], e.step)
         acc[2] = max(acc[2], e.time)
+        if e.host:
+            acc[3] = e.host
+        if e.local_rank >= 0:
+            acc[4] = e.local_rank
     if not per_rank:
         return
     rows = [
@@ -610,10 +627,22 @@ def _bump_ranks(conn: Connection, st: _Statements, new: list[tuple[int, ev.StepE
             "last_time": t,
             "dropped_events": 0,
             "agent_errors": 0,
+            "host": host,
+            "local_rank": local_rank,
         }
-        for (pk, rank), (n, last, t) in sorted(per_rank.items())
+        for (pk, rank), (n, last, t, host, local_rank) in sorted(per_rank.items())
     ]
     st.insert(conn, "ranks", rows)
+
+
+def _mark_dirty(
+    conn: Connection, st: _Statements, new: list[tuple[int, ev.StepEvent]], now: float
+) -> None:
+    """Mark the steps that got new rank rows: their rollups are stale (read/rollups.py)."""
+    keys = sorted({(pk, e.step) for pk, e in new})
+    if keys:
+        rows = [{"run": pk, "step": step, "version": 1, "since": now} for pk, step in keys]
+        st.insert(conn, "dirty", rows)
 
 
 def _record_end(conn: Connection, pk: int, e: ev.EndEvent) -> bool:

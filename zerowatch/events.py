@@ -121,6 +121,7 @@ def bucket_index(seconds: float) -> int:
 METRIC_PREFIX: Final = "zerowatch"
 METRICS: Final = {
     "step_time": "zerowatch_step_time_seconds",
+    "busy": "zerowatch_busy_seconds",
     "phase": "zerowatch_phase_seconds",
     "optimizer_step": "zerowatch_optimizer_step_seconds",
     "collective_latency": "zerowatch_collective_latency_seconds",

@@ -44,6 +44,8 @@ class SimSpec:
     straggler_factor: float = 1.3
     #: At this step the grad norm jumps 50-fold.
     grad_spike_at: int | None = None
+    #: Ranks per host (torchrun's nproc_per_node): rank r runs on host r // ranks_per_host.
+    ranks_per_host: int = 8
     #: Every this many steps carries raw spans (for the trace export); 0 = never.
     spans_every: int = 10
     seed: int = 0
@@ -70,13 +72,18 @@ def run_create(spec: SimSpec, run_id: str | None = None) -> ev.RunCreate:
             "train_micro_batch_size_per_gpu": spec.micro_batch,
         },
         param_count=spec.num_params,
-        hosts=["sim-host-0"],
+        hosts=[host_of(spec, r) for r in range(0, spec.world_size, spec.ranks_per_host)],
         theory=ms.flat(),
         theory_comm=theory.comm_bytes_per_step(
             spec.num_params, spec.world_size, spec.stage, precision=spec.precision
         ),
         started_at=time.time(),
     )
+
+
+def host_of(spec: SimSpec, rank: int) -> str:
+    """The simulated host name of a rank."""
+    return f"sim-node-{rank // spec.ranks_per_host:04d}"
 
 
 def _collectives(spec: SimSpec, rng: random.Random, scale: float) -> list[ev.CollectiveStats]:
@@ -199,6 +206,8 @@ def step_event(spec: SimSpec, rank: int, step: int, *, t: float | None = None,
         samples_per_s=samples / total,
         tokens_per_s=samples * spec.seq_len / total,
         spans=spans,
+        host=host_of(spec, rank),
+        local_rank=rank % spec.ranks_per_host,
     )
 
 
@@ -213,4 +222,4 @@ def steps(spec: SimSpec, n_steps: int, *, start: int = 0,
         yield [step_event(spec, r, step, t=t) for r in range(spec.world_size)]
 
 
-__all__ = ["SimSpec", "run_create", "step_event", "steps"]
+__all__ = ["SimSpec", "host_of", "run_create", "step_event", "steps"]

@@ -1,0 +1,37 @@
+"""Reads: the one read model every page, API route, /metrics, alert input and the doctor use.
+
+Each module is one concept: `vocabulary` (metric names, units, how a rank-step's value is
+read), `rollups` (per-step statistics over ranks and their compactor), `runs` (the run
+resource, ranks and hosts, recent figures), `series` (a metric over steps: rank statistics
+or selected ranks; breakdown, heatmap, outliers), `compare` (runs side by side) and `trace`
+(Chrome-trace export). Functions are keyword-only, take the `Database` as `db` and return
+plain data ready for JSON. The package exports the names that do not shadow its modules:
+`series.series`, `compare.compare` and `trace.trace` are reached through their modules.
+"""
+
+from zerowatch.server.read.rollups import Compactor, Retention
+from zerowatch.server.read.runs import get_run, hosts_of, list_runs, ranks_of
+from zerowatch.server.read.series import (
+    BadSelection,
+    Selection,
+    metrics_catalog,
+    rank_heatmap,
+    step_breakdown,
+)
+from zerowatch.server.read.vocabulary import UnknownMetric, metric_unit
+
+__all__ = [
+    "BadSelection",
+    "Compactor",
+    "Retention",
+    "Selection",
+    "UnknownMetric",
+    "get_run",
+    "hosts_of",
+    "list_runs",
+    "metric_unit",
+    "metrics_catalog",
+    "rank_heatmap",
+    "ranks_of",
+    "step_breakdown",
+]

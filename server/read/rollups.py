@@ -1,0 +1,591 @@
+"""Per-step rollups across ranks: the read model every page, API read, /metrics, alert input
+and the doctor stand on.
+
+A 4,096-rank job stores 4,096 rows a step. Nobody reads them all: a person wants the step's
+distribution over ranks and the ranks that stand out. So for every (run, step, metric) of
+the vocabulary the compactor keeps one `step_rollups` row: n, min, p10, p50, p90, max, mean,
+the ranks at the min and the max and, for the metrics that name outliers (`OUTLIER_METRICS`),
+the `TOP_K` ranks at either end. A series over "all ranks" reads one row per step.
+
+How the rollups stay exact:
+
+1. Ingest writes the per-rank rows and, in the same transaction, bumps a version on the
+   step's `dirty_steps` mark (store.py).
+2. The `Compactor` thread takes marks that have settled (`settle_s` since the first mark,
+   so a step's ranks have mostly arrived), reads the step's rows, computes the rollups, and
+   in one short transaction replaces the step's rollup rows, applies the change to the
+   run's totals, and clears the marks whose version it read. A rank that arrived meanwhile
+   bumped the version: its mark stays and the step is rolled up again, late ranks included.
+3. Readers (`read`) take stored rollups and compute any still-dirty steps in their range on
+   the fly (at most `MAX_LIVE_STEPS`, the newest), so an answer is exact and current even
+   before the compactor ran.
+
+Quantiles are linear interpolations between order statistics (numpy's default); ties for
+the min or max name the lowest rank. Several server processes may compact at once: on
+PostgreSQL a transaction-scoped advisory lock per run serialises their writes of one run.
+
+Retention (`Retention`): per-rank rows of steps older than the newest `full_steps` are
+thinned to every `every`-th step; rollups are kept whole. A late rank of a thinned step is
+dropped with its mark (its step's rollup was exact when the step was complete).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection, and_, delete, func, select, text, tuple_
+from zerowatch.server import models as m
+from zerowatch.server.db import Database
+from zerowatch.server.read.vocabulary import rank_values
+
+from zerowatch import events as ev
+
+log = logging.getLogger(__name__)
+
+STATS = ("min", "p10", "p50", "p90", "max", "mean")
+#: Ranks kept at each end of an outlier metric's distribution, per step.
+TOP_K = 16
+#: Metrics whose rollups keep the ranks at both ends (outlier tables, /metrics' per-rank
+#: series, the doctor's straggler finding).
+OUTLIER_METRICS = frozenset(
+    {
+        "busy_s",
+        "step_time_s",
+        "exposed_comm_s",
+        "memory.peak",
+        "memory.state",
+        *(f"collective.{op}.busbw" for op in ev.COLLECTIVE_OPS),
+        *(f"collective.{op}.latency_s" for op in ev.COLLECTIVE_OPS),
+        *(f"part.{p}" for p in ev.STEP_PARTS),
+    }
+)
+#: Dirty steps a reader computes itself (the newest); older ones wait for the compactor.
+MAX_LIVE_STEPS = 256
+N_BUCKETS = len(ev.LATENCY_BUCKETS) + 1
+_CHUNK = 400
+
+
+@dataclass(slots=True)
+class Stats:
+    """One metric of one step over the step's ranks."""
+
+    n: int
+    min: float
+    p10: float
+    p50: float
+    p90: float
+    max: float
+    mean: float
+    min_rank: int
+    max_rank: int
+    #: {"hi": [[rank, value], ...] highest first, "lo": [...] lowest first} for outlier
+    #: metrics; {"hist": [...], "sum": s} (latency histogram over ranks) for latency_s.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def get(self, stat: str) -> float:
+        return float(getattr(self, stat))
+
+
+def quantile(ordered: Sequence[float], q: float) -> float:
+    """Linear interpolation between order statistics of an ascending, non-empty sequence."""
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(pairs: list[tuple[float, int]], *, ends: bool = False, k: int = TOP_K) -> Stats:
+    """The Stats of (value, rank) pairs (not empty)."""
+    pairs.sort()
+    vals = [v for v, _ in pairs]
+    top = vals[-1]
+    max_rank = min(r for v, r in pairs if v == top)
+    st = Stats(
+        n=len(vals),
+        min=vals[0],
+        p10=quantile(vals, 0.1),
+        p50=quantile(vals, 0.5),
+        p90=quantile(vals, 0.9),
+        max=top,
+        mean=math.fsum(vals) / len(vals),
+        min_rank=pairs[0][1],
+        max_rank=max_rank,
+    )
+    if ends and len(pairs) > 1:
+        hi = sorted(pairs[-k:], key=lambda p: (-p[0], p[1]))
+        st.extra = {"hi": [[r, v] for v, r in hi], "lo": [[r, v] for v, r in pairs[:k]]}
+    return st
+
+
+# -- computing rollups from the per-rank rows ------------------------------------------------
+
+_STEP_COLS = (
+    "rank", "seq", "step", "step_time_s", "exposed_comm_s", "hidden_comm_s", "grad_norm",
+    "loss", "lr", "loss_scale", "samples_per_s", "tokens_per_s", "mfu", "samples", "tokens",
+    "skipped", "nonfinite", "clipped", "phases", "parts", "offload", "memory", "scalars",
+)  # fmt: skip
+_COLL_COLS = ("rank", "seq", "op", "count", "bytes", "latency_sum_s", "latency_max_s", "busbw",
+              "buckets")  # fmt: skip
+
+
+def compute(conn: Connection, pk: int, steps: Iterable[int]) -> dict[int, dict[str, Stats]]:
+    """The rollups of `steps` of run `pk`, from its per-rank rows (steps without rows are
+    absent). A rank with several rows for one step (a restart that replayed step numbers)
+    counts once, with its newest."""
+    wanted = sorted(set(steps))
+    out: dict[int, dict[str, Stats]] = {}
+    s, c = m.steps.c, m.collectives.c
+    for i in range(0, len(wanted), _CHUNK):
+        chunk = wanted[i : i + _CHUNK]
+        rows = conn.execute(
+            select(*(s[n] for n in _STEP_COLS)).where(s.run == pk, s.step.in_(chunk))
+        ).all()
+        newest: dict[tuple[int, int], Any] = {}
+        for r in rows:
+            key = (r.step, r.rank)
+            if key not in newest or r.seq > newest[key].seq:
+                newest[key] = r
+        colls: dict[tuple[int, int], list[Any]] = defaultdict(list)
+        for cr in conn.execute(
+            select(*(c[n] for n in _COLL_COLS)).where(
+                c.run == pk, c.op.in_(ev.COLLECTIVE_OPS), c.step.in_(chunk)
+            )
+        ).all():
+            colls[(cr.rank, cr.seq)].append(cr._mapping)
+        per_step: dict[int, dict[str, list[tuple[float, int]]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
+        hists: dict[int, dict[str, list[float]]] = defaultdict(dict)
+        for (step, rank), r in newest.items():
+            cs = colls.get((rank, r.seq), ())
+            values = per_step[step]
+            for name, v in rank_values(r._mapping, cs).items():
+                values[name].append((v, rank))
+            for cr in cs:
+                h = hists[step].get(cr.op)
+                if h is None:
+                    h = hists[step][cr.op] = [0.0] * (N_BUCKETS + 1)
+                for j, n in enumerate(cr.buckets[:N_BUCKETS]):
+                    h[j] += n
+                h[N_BUCKETS] += cr.latency_sum_s
+        for step, values in per_step.items():
+            stats = {
+                name: summarize(pairs, ends=name in OUTLIER_METRICS)
+                for name, pairs in values.items()
+            }
+            for op, h in hists[step].items():
+                lat = stats.get(f"collective.{op}.latency_s")
+                if lat is not None:
+                    lat.extra["hist"] = [int(x) for x in h[:N_BUCKETS]]
+                    lat.extra["sum"] = h[N_BUCKETS]
+            out[step] = stats
+    return out
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+
+def _from_row(r: Any) -> Stats:
+    extra = r._mapping.get("extra") or {}
+    return Stats(r.n, r.min, r.p10, r.p50, r.p90, r.max, r.mean, r.min_rank, r.max_rank,
+                 extra)  # fmt: skip
+
+
+def dirty_in(
+    conn: Connection, pk: int, *, step_from: int | None = None, step_to: int | None = None
+) -> list[int]:
+    """Steps of run `pk` (in the range) whose rollups are stale, ascending."""
+    d = m.dirty_steps.c
+    conds = [d.run == pk]
+    if step_from is not None:
+        conds.append(d.step >= step_from)
+    if step_to is not None:
+        conds.append(d.step <= step_to)
+    return [int(x) for x in conn.execute(select(d.step).where(*conds).order_by(d.step)).scalars()]
+
+
+def read(
+    conn: Connection,
+    pk: int,
+    metrics: Sequence[str] | None,
+    *,
+    step_from: int | None = None,
+    step_to: int | None = None,
+    steps_in: Sequence[int] | None = None,
+    extra: bool = False,
+) -> dict[str, dict[int, Stats]]:
+    """{metric: {step: Stats}} for run `pk`, current to the last ingested rank-step.
+
+    Stored rollups, with the newest `MAX_LIVE_STEPS` dirty steps of the range computed from
+    the per-rank rows (see the module docstring). `extra=False` leaves the outlier lists
+    and histograms out (they are most of a rollup row's bytes). `metrics=None`: all.
+    """
+    r = m.step_rollups.c
+    conds = [r.run == pk]
+    if metrics is not None:
+        conds.append(r.metric.in_(list(metrics)))
+    if step_from is not None:
+        conds.append(r.step >= step_from)
+    if step_to is not None:
+        conds.append(r.step <= step_to)
+    if steps_in is not None:
+        conds.append(r.step.in_(list(steps_in)))
+    out: dict[str, dict[int, Stats]] = defaultdict(dict)
+    for name in metrics or ():
+        out[name] = {}
+    cols = [r.metric, r.step, r.n, r.min, r.p10, r.p50, r.p90, r.max, r.mean, r.min_rank,
+            r.max_rank]  # fmt: skip
+    if extra:
+        cols.append(r.extra)
+    for row in conn.execute(select(*cols).where(*conds).order_by(r.metric, r.step)):
+        out[row.metric][int(row.step)] = _from_row(row)
+    dirty = dirty_in(conn, pk, step_from=step_from, step_to=step_to)
+    if steps_in is not None:
+        keep = set(steps_in)
+        dirty = [st for st in dirty if st in keep]
+    fresh = compute(conn, pk, dirty[-MAX_LIVE_STEPS:]) if dirty else {}
+    names = list(metrics) if metrics is not None else None
+    for step, stats in fresh.items():
+        for name in names if names is not None else [*out, *stats]:
+            if name in stats:
+                out[name][step] = stats[name]
+            elif name in out:
+                out[name].pop(step, None)
+    if fresh:
+        for name in out:
+            out[name] = dict(sorted(out[name].items()))
+    return dict(out)
+
+
+def newest_steps(conn: Connection, pk: int, metric: str, n: int) -> list[int]:
+    """The newest `n` steps holding a rollup (or a dirty mark) of `metric`, ascending."""
+    r, d = m.step_rollups.c, m.dirty_steps.c
+    stored = conn.execute(
+        select(r.step).where(r.run == pk, r.metric == metric).order_by(r.step.desc()).limit(n)
+    ).scalars()
+    dirty = conn.execute(
+        select(d.step).where(d.run == pk).order_by(d.step.desc()).limit(n)
+    ).scalars()
+    return sorted({int(x) for x in (*stored, *dirty)})[-n:]
+
+
+def step_bounds(conn: Connection, pk: int) -> tuple[int, int] | None:
+    """(first, last) step holding rollups or marks, or None for a run without steps."""
+    r, d = m.step_rollups.c, m.dirty_steps.c
+    lo1, hi1 = conn.execute(
+        select(func.min(r.step), func.max(r.step)).where(r.run == pk, r.metric == "step_time_s")
+    ).one()
+    lo2, hi2 = conn.execute(select(func.min(d.step), func.max(d.step)).where(d.run == pk)).one()
+    los = [x for x in (lo1, lo2) if x is not None]
+    his = [x for x in (hi1, hi2) if x is not None]
+    return (int(min(los)), int(max(his))) if los else None
+
+
+def totals(conn: Connection, pk: int) -> dict[str, tuple[float, list[int]]]:
+    """The run's totals {key: (value, buckets)} as the compactor last left them."""
+    t = m.run_totals.c
+    return {
+        row.key: (row.value, list(row.buckets or []))
+        for row in conn.execute(select(t.key, t.value, t.buckets).where(t.run == pk))
+    }
+
+
+# -- the compactor ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Retention:
+    """Which per-rank rows stay: every step of the newest `full_steps`, every `every`-th
+    step before them. `full_steps=0` keeps everything."""
+
+    full_steps: int = 0
+    every: int = 10
+
+    def __post_init__(self) -> None:
+        if self.full_steps < 0:
+            raise ValueError(f"retention_full_steps: must be >= 0, got {self.full_steps}")
+        if self.every < 1:
+            raise ValueError(f"retention_every: must be >= 1, got {self.every}")
+
+    def thinned(self, step: int, horizon: int) -> bool:
+        return step < horizon and step % self.every != 0
+
+
+#: Totals keys: steps where any rank skipped / was non-finite; per op the latency histogram.
+SKIPPED, NONFINITE = "skipped_steps", "nonfinite_steps"
+
+
+def _hist_key(op: str) -> str:
+    return f"hist.{op}"
+
+
+class Compactor:
+    """Rolls dirty steps up in the background (see the module docstring)."""
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        interval_s: float = 0.5,
+        settle_s: float = 0.5,
+        max_steps: int = 256,
+        retention: Retention | None = None,
+        retention_interval_s: float = 30.0,
+    ) -> None:
+        self.db = db
+        self.interval_s = interval_s
+        self.settle_s = settle_s
+        self.max_steps = max_steps
+        self.retention = retention or Retention()
+        self.retention_interval_s = retention_interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # one compaction at a time in this process
+        self._last_retention = 0.0
+        #: Steps rolled up since start (tests, the benchmark).
+        self.compacted = 0
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(
+                target=self._loop, name="zerowatch-compactor", daemon=True
+            )
+            self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                while self.run_once() >= self.max_steps and not self._stop.is_set():
+                    pass
+                now = time.time()
+                if (
+                    self.retention.full_steps
+                    and now - self._last_retention >= self.retention_interval_s
+                ):
+                    self._last_retention = now
+                    self.apply_retention()
+            except Exception:  # the next tick tries again; ingest is unaffected
+                log.exception("rollup compaction")
+
+    def flush(self) -> int:
+        """Roll up every dirty step now, settled or not. Returns how many."""
+        total = 0
+        while (n := self.run_once(settle=False)) > 0:
+            total += n
+        return total
+
+    def run_once(self, *, settle: bool = True, now: float | None = None) -> int:
+        """Roll up at most `max_steps` dirty steps. Returns how many were taken."""
+        now = time.time() if now is None else now
+        d = m.dirty_steps.c
+        with self._lock:
+            with self.db.read() as conn:
+                q = select(d.run, d.step, d.version)
+                if settle:
+                    q = q.where(d.since <= now - self.settle_s)
+                marks = conn.execute(q.order_by(d.run, d.step).limit(self.max_steps)).all()
+                if not marks:
+                    return 0
+                by_run: dict[int, list[tuple[int, int]]] = defaultdict(list)
+                for mk in marks:
+                    by_run[int(mk.run)].append((int(mk.step), int(mk.version)))
+                horizons = {pk: self._horizon(conn, pk) for pk in by_run}
+                computed = {
+                    pk: compute(
+                        conn,
+                        pk,
+                        [st for st, _ in items if not self.retention.thinned(st, horizons[pk])],
+                    )
+                    for pk, items in by_run.items()
+                }
+            for pk, items in by_run.items():
+                self._write(pk, items, computed[pk], horizons[pk])
+            self.compacted += len(marks)
+            return len(marks)
+
+    def _horizon(self, conn: Connection, pk: int) -> int:
+        t = m.run_totals.c
+        h = conn.execute(select(t.value).where(t.run == pk, t.key == "retention.horizon")).scalar()
+        return int(h) if h is not None else -1
+
+    def _write(
+        self, pk: int, items: list[tuple[int, int]], stats: dict[int, dict[str, Stats]],
+        horizon: int,
+    ) -> None:  # fmt: skip
+        steps = [st for st, _ in items]
+        r, d = m.step_rollups, m.dirty_steps
+        with self.db.write() as conn:
+            if conn.dialect.name == "postgresql":
+                conn.execute(text("SELECT pg_advisory_xact_lock(7077, :pk)"), {"pk": pk})
+            delta = _Delta()
+            for i in range(0, len(steps), _CHUNK):
+                chunk = steps[i : i + _CHUNK]
+                old = conn.execute(
+                    select(r.c.metric, r.c.max, r.c.extra).where(
+                        r.c.run == pk,
+                        r.c.step.in_(chunk),
+                        r.c.metric.in_(
+                            ["skipped", "nonfinite"]
+                            + [f"collective.{op}.latency_s" for op in ev.COLLECTIVE_OPS]
+                        ),
+                    )
+                ).all()
+                for row in old:
+                    delta.add(row.metric, row.max, row.extra or {}, -1)
+                conn.execute(delete(r).where(r.c.run == pk, r.c.step.in_(chunk)))
+            rows = []
+            for step, per_metric in stats.items():
+                for name, st in per_metric.items():
+                    rows.append(
+                        {
+                            "run": pk, "metric": name, "step": step, "n": st.n, "min": st.min,
+                            "p10": st.p10, "p50": st.p50, "p90": st.p90, "max": st.max,
+                            "mean": st.mean, "min_rank": st.min_rank, "max_rank": st.max_rank,
+                            "extra": st.extra,
+                        }
+                    )  # fmt: skip
+                    if name in ("skipped", "nonfinite") or name.endswith(".latency_s"):
+                        delta.add(name, st.max, st.extra, +1)
+            if rows:
+                conn.execute(r.insert(), rows)
+            delta.apply(conn, pk)
+            thinned = [st for st in steps if self.retention.thinned(st, horizon)]
+            if thinned:
+                _delete_rank_rows(conn, pk, thinned)
+            pairs = [(pk, st, ver) for st, ver in items]
+            for i in range(0, len(pairs), _CHUNK):
+                conn.execute(
+                    delete(d).where(
+                        tuple_(d.c.run, d.c.step, d.c.version).in_(pairs[i : i + _CHUNK])
+                    )
+                )
+
+    def apply_retention(self) -> int:
+        """Thin old per-rank rows of every run (see Retention). Returns rank-steps deleted."""
+        keep = self.retention
+        if not keep.full_steps:
+            return 0
+        deleted = 0
+        rs, t = m.rank_states.c, m.run_totals
+        with self.db.read() as conn:
+            lasts = conn.execute(select(rs.run, func.max(rs.last_step)).group_by(rs.run)).all()
+        for pk, last in lasts:
+            if last is None:
+                continue
+            new_horizon = int(last) - keep.full_steps + 1
+            with self.db.write() as conn:
+                old = self._horizon(conn, pk)
+                if new_horizon <= max(old, 0):
+                    continue
+                dirty = set(dirty_in(conn, pk, step_to=new_horizon - 1))
+                doomed = [
+                    st for st in range(max(old, 0), new_horizon)
+                    if st % keep.every != 0 and st not in dirty
+                ]  # fmt: skip
+                deleted += _delete_rank_rows(conn, pk, doomed)
+                conn.execute(delete(t).where(t.c.run == pk, t.c.key == "retention.horizon"))
+                conn.execute(
+                    t.insert().values(run=pk, key="retention.horizon", value=new_horizon,
+                                      buckets=[])
+                )  # fmt: skip
+        return deleted
+
+
+def _delete_rank_rows(conn: Connection, pk: int, steps: list[int]) -> int:
+    n = 0
+    for i in range(0, len(steps), _CHUNK):
+        chunk = steps[i : i + _CHUNK]
+        n += conn.execute(
+            delete(m.steps).where(m.steps.c.run == pk, m.steps.c.step.in_(chunk))
+        ).rowcount
+        for op in ev.COLLECTIVE_OPS:  # the (run, op, step) index, one op at a time
+            c = m.collectives.c
+            conn.execute(
+                delete(m.collectives).where(and_(c.run == pk, c.op == op, c.step.in_(chunk)))
+            )
+        conn.execute(delete(m.spans).where(m.spans.c.run == pk, m.spans.c.step.in_(chunk)))
+    return n
+
+
+class _Delta:
+    """Changes to a run's totals from replacing some steps' rollups."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = defaultdict(float)
+        self.buckets: dict[str, list[int]] = {}
+
+    def add(self, metric: str, top: float, extra: dict[str, Any], sign: int) -> None:
+        if metric in ("skipped", "nonfinite"):
+            key = SKIPPED if metric == "skipped" else NONFINITE
+            self.values[key] += sign * (1.0 if top > 0 else 0.0)
+            return
+        hist = extra.get("hist")
+        if not hist:
+            return
+        op = metric.split(".")[1]
+        key = _hist_key(op)
+        self.values[key] += sign * float(extra.get("sum", 0.0))
+        acc = self.buckets.setdefault(key, [0] * N_BUCKETS)
+        for i, n in enumerate(hist[:N_BUCKETS]):
+            acc[i] += sign * int(n)
+
+    def apply(self, conn: Connection, pk: int) -> None:
+        keys = set(self.values) | set(self.buckets)
+        if not keys:
+            return
+        t = m.run_totals
+        current = {
+            row.key: row
+            for row in conn.execute(
+                select(t.c.key, t.c.value, t.c.buckets).where(t.c.run == pk, t.c.key.in_(keys))
+            )
+        }
+        for key in sorted(keys):
+            dv = self.values.get(key, 0.0)
+            db = self.buckets.get(key)
+            row = current.get(key)
+            if row is None:
+                conn.execute(t.insert().values(run=pk, key=key, value=dv, buckets=db or []))
+                continue
+            buckets = list(row.buckets or [])
+            if db is not None:
+                buckets = buckets or [0] * N_BUCKETS
+                buckets = [a + b for a, b in zip(buckets, db, strict=True)]
+            conn.execute(
+                t.update()
+                .where(t.c.run == pk, t.c.key == key)
+                .values(value=row.value + dv, buckets=buckets)
+            )
+
+
+__all__ = [
+    "MAX_LIVE_STEPS",
+    "OUTLIER_METRICS",
+    "STATS",
+    "TOP_K",
+    "Compactor",
+    "Retention",
+    "Stats",
+    "compute",
+    "dirty_in",
+    "newest_steps",
+    "quantile",
+    "read",
+    "step_bounds",
+    "summarize",
+    "totals",
+]
