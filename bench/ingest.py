@@ -254,7 +254,9 @@ def bench_ingest(
     lat = [x for o in outs for x in o["lat"]]
     accepted = sum(o["accepted"] for o in outs)
     assert accepted == ranks * steps, (accepted, ranks * steps)
-    stored = httpx.get(f"{url}/api/v1/runs/{rc.run_id}").json()
+    stored = httpx.get(
+        f"{url}/api/v1/runs/{rc.run_id}/ranks", params={"limit": 100000}, timeout=60
+    ).json()
     assert sum(r["steps"] for r in stored["ranks"]) == ranks * steps
     return {
         "events_per_request": per_request,

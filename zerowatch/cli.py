@@ -64,11 +64,22 @@ def serve(
             envvar="ZEROWATCH_TOKEN",
         ),
     ] = None,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Server processes on the port; more than 1 needs PostgreSQL (--db).",
+        ),
+    ] = 1,
 ) -> None:
     """Run the zerowatch server (API, dashboards, /metrics)."""
     from zerowatch.server.app import serve as _serve
+    from zerowatch.server.settings import SettingsError
 
-    _serve(host=host, port=port, db_url=db, token=token)
+    try:
+        _serve(host=host, port=port, db_url=db, token=token, workers=workers)
+    except SettingsError as e:
+        fail(str(e), EXIT_USAGE)
 
 
 @app.command()

@@ -1,0 +1,239 @@
+"""Scale benchmark: one simulated stage-3 run of thousands of ranks against the server.
+
+    .venv/bin/python bench/scale.py                                    # SQLite and PostgreSQL
+    .venv/bin/python bench/scale.py --backends postgres --ranks 4096 --query-steps 1000
+
+For each backend (SQLite; PostgreSQL started like the tests do) it prints:
+
+1. **Ingest** through the real HTTP path with the agent's batching (every rank's agent
+   posts its own gzip batches of `--events-per-request` events, 2 by default: one step a
+   second, flushed every 2 s): rank-steps stored per second and the server's CPU time per
+   rank-step (all its processes, from psutil), with 1 worker, and with 2 workers on
+   PostgreSQL (`zerowatch serve --workers 2`; SQLite serves one process).
+2. **/metrics** of that run once its rollups are compacted: series and bytes.
+3. **Reads at scale**: a run of `--ranks` x `--query-steps` rank-steps written straight
+   through the store (not timed) and rolled up by the server's compactor (timed: the
+   compactor's throughput in rank-steps/s), then p50/p95 over HTTP of the series (rank
+   statistics, one rank, the top 8 ranks), compare, the run resource and /metrics.
+4. **Storage**: bytes per stored rank-step (database size / rank-steps, rollups included)
+   and what a 4,096-rank x 100,000-step run takes with the default retention (every step
+   of the newest 10,000, every 10th before; rollups whole).
+
+The goals (issue 11): <= 100 us of server CPU per rank-step; /metrics <= 1,000 series and
+200 KB; series / compare / run resource p95 <= 100 ms at 4,096 ranks x 1,000 steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import ingest as ib
+
+
+@contextlib.contextmanager
+def server(db_url: str, *, workers: int = 1) -> Iterator[str]:
+    """A zerowatch server on a free port (`workers` uvicorn processes); yields its URL."""
+    port = ib._free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROWATCH_")}
+    env.update(ZEROWATCH_DB_URL=db_url, ZEROWATCH_MAX_BATCH_BYTES=str(64 * 2**20))
+    log = tempfile.NamedTemporaryFile(prefix="zerowatch-scale-", suffix=".log", delete=False)  # noqa: SIM115
+    cmd = [sys.executable, "-m", "zerowatch.cli", "serve", "--host", "127.0.0.1",
+           "--port", str(port), "--workers", str(workers)]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(900):
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {Path(log.name).read_text()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.1)
+        ib.SERVER_PIDS[url] = proc.pid
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        os.unlink(log.name)
+
+
+def _cpu_all(pid: int) -> float:
+    import psutil
+
+    p = psutil.Process(pid)
+    total = 0.0
+    for q in [p, *p.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            t = q.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+def wait_compacted(db_url: str, run_id: str, timeout_s: float = 3600) -> float:
+    """Seconds until the server's compactor has rolled up every step of the run."""
+    from sqlalchemy import func, select
+    from zerowatch.server import models as m
+    from zerowatch.server.db import Database
+
+    db = Database.open(db_url, migrate_schema=False)
+    t0 = time.perf_counter()
+    try:
+        with db.read() as conn:
+            pk = conn.execute(select(m.runs.c.id).where(m.runs.c.run_id == run_id)).scalar()
+        while time.perf_counter() - t0 < timeout_s:
+            with db.read() as conn:
+                left = conn.execute(
+                    select(func.count()).where(m.dirty_steps.c.run == pk)
+                ).scalar()
+            if not left:
+                return time.perf_counter() - t0
+            time.sleep(0.5)
+        raise TimeoutError(f"run {run_id} still has dirty steps after {timeout_s}s")
+    finally:
+        db.close()
+
+
+def db_bytes(db_url: str) -> int:
+    if db_url.startswith("sqlite"):
+        path = Path(db_url.removeprefix("sqlite:///"))
+        return sum(p.stat().st_size for p in path.parent.glob(path.name + "*"))
+    from sqlalchemy import create_engine, text
+
+    eng = create_engine(db_url)
+    with eng.connect() as c:
+        return int(c.execute(text("SELECT pg_database_size(current_database())")).scalar() or 0)
+
+
+def ingest_row(url: str, args: argparse.Namespace, workers: int) -> dict[str, Any]:
+    pid = ib.SERVER_PIDS[url]
+    orig = ib.server_cpu_s
+    ib.server_cpu_s = lambda _u: _cpu_all(pid)  # every worker process counts
+    try:
+        out = ib.bench_ingest(url, ranks=args.ranks, steps=args.ingest_steps,
+                              per_request=args.events_per_request, clients=args.clients,
+                              threads=args.threads)  # fmt: skip
+    finally:
+        ib.server_cpu_s = orig
+    return {"workers": workers, **out}
+
+
+def metrics_of(url: str, run_id: str) -> tuple[int, int, float]:
+    t = time.perf_counter()
+    body = httpx.get(url + "/metrics", timeout=120).text
+    ms = (time.perf_counter() - t) * 1e3
+    lines = [ln for ln in body.splitlines() if ln and not ln.startswith("#") and run_id in ln]
+    return len(lines), sum(len(ln) + 1 for ln in lines), ms
+
+
+def read_rows(url: str, run_id: str, repeats: int) -> list[dict[str, Any]]:
+    cases = [
+        ("series step_time_s, rank stats", f"/api/v1/runs/{run_id}/series",
+         {"metric": "step_time_s"}),
+        ("series phase.backward, rank stats", f"/api/v1/runs/{run_id}/series",
+         {"metric": "phase.backward"}),
+        ("series collective.all_gather.busbw, stats", f"/api/v1/runs/{run_id}/series",
+         {"metric": "collective.all_gather.busbw"}),
+        ("series step_time_s, one rank", f"/api/v1/runs/{run_id}/series",
+         {"metric": "step_time_s", "rank": 1234}),
+        ("series busy_s, top 8 ranks", f"/api/v1/runs/{run_id}/series",
+         {"metric": "busy_s", "top": 8}),
+        ("compare (newest 100 steps)", "/api/v1/compare", {"runs": run_id}),
+        ("run resource", f"/api/v1/runs/{run_id}", {}),
+        ("/metrics", "/metrics", {}),
+    ]  # fmt: skip
+    out = []
+    with httpx.Client(base_url=url, timeout=300) as c:
+        for name, path, params in cases:
+            r = c.get(path, params=params)
+            r.raise_for_status()
+            lat = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                r = c.get(path, params=params)
+                lat.append(time.perf_counter() - t)
+                r.raise_for_status()
+            out.append({"query": name, "p50_ms": ib.pct(lat, 0.5) * 1e3,
+                        "p95_ms": ib.pct(lat, 0.95) * 1e3, "bytes": len(r.content)})  # fmt: skip
+    return out
+
+
+def run_backend(name: str, args: argparse.Namespace) -> None:
+    with ib.backend(name) as db_url:
+        if db_url is None:
+            print(f"\n## {name}: skipped (no PostgreSQL binaries)")
+            return
+        print(f"\n## {name} ({args.ranks} ranks, load {os.getloadavg()[0]:.1f})")
+        worker_counts = [1, 2] if name == "postgres" else [1]
+        ingest_rows = []
+        for workers in worker_counts:
+            with server(db_url, workers=workers) as url:
+                row = ingest_row(url, args, workers)
+                ingest_rows.append(row)
+        print("\n| workers | rank-steps | rank-steps/s | server CPU µs / rank-step | POST p50 | POST p99 |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for r in ingest_rows:
+            print(f"| {r['workers']} | {r['rank_steps']:,} | {r['rank_steps_per_s']:,.0f} | "
+                  f"{r['server_cpu_us_per_rank_step']:.0f} | {r['p50_ms']:.1f} ms | "
+                  f"{r['p99_ms']:.1f} ms |")  # fmt: skip
+        with server(db_url, workers=1) as url:
+            t = time.perf_counter()
+            run_id = ib.fill(db_url, ranks=args.ranks, points=args.ranks * args.query_steps)
+            filled = time.perf_counter() - t
+            compact_s = wait_compacted(db_url, run_id)
+            rank_steps = args.ranks * args.query_steps
+            print(f"\nfilled {rank_steps:,} rank-steps through the store in {filled:.0f} s; "
+                  f"the compactor finished {compact_s:.0f} s later "
+                  f"(~{rank_steps / max(filled + compact_s, 1e-9):,.0f} rank-steps/s with fill)")  # fmt: skip
+            n_series, n_bytes, ms = metrics_of(url, run_id)
+            print(f"\n/metrics for the {args.ranks}-rank run: {n_series} series, "
+                  f"{n_bytes / 1024:.1f} KiB (scrape {ms:.0f} ms)")  # fmt: skip
+            rows = read_rows(url, run_id, args.repeats)
+            print(f"\n| read at {args.ranks} ranks x {args.query_steps} steps | p50 | p95 | bytes |")
+            print("|---|---:|---:|---:|")
+            for r in rows:
+                print(f"| {r['query']} | {r['p50_ms']:.1f} ms | {r['p95_ms']:.1f} ms | "
+                      f"{r['bytes']:,} |")  # fmt: skip
+        size = db_bytes(db_url)
+        per = size / (rank_steps + sum(r["rank_steps"] for r in ingest_rows))
+        kept = 10_000 + 90_000 // 10
+        total = 4096 * kept * per
+        print(f"\nstorage: {size / 2**20:.0f} MiB for the database, {per:.0f} B per stored "
+              f"rank-step (rollups included); a 4,096-rank x 100,000-step run keeps "
+              f"{kept:,} steps of per-rank rows with the default retention: "
+              f"~{total / 2**30:.0f} GiB (without retention ~{4096 * 100_000 * per / 2**30:.0f} GiB)")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backends", default="sqlite,postgres")
+    ap.add_argument("--ranks", type=int, default=4096)
+    ap.add_argument("--ingest-steps", type=int, default=4)
+    ap.add_argument("--events-per-request", type=int, default=2)
+    ap.add_argument("--clients", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--query-steps", type=int, default=1000)
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args()
+    for name in args.backends.split(","):
+        run_backend(name.strip(), args)
+
+
+if __name__ == "__main__":
+    main()
