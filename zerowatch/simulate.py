@@ -185,6 +185,16 @@ def step_event(spec: SimSpec, rank: int, step: int, *, t: float | None = None,
             cursor += dur
         spans.append(ev.Span(name="all_gather", cat="collective", start=start, end=start + 0.01,
                              args={"op": "all_gather", "bytes": 1 << 20, "async": True}))  # fmt: skip
+    exposed = total * 0.08
+    parts = {
+        "forward_compute": total * 0.27,
+        "backward_compute": total * 0.5,
+        "optimizer_step": total * (0.1 if spec.offload_optimizer else 0.12),
+        "exposed_param_gather": exposed * 0.4 if spec.stage == 3 else 0.0,
+        "exposed_grad_reduce": exposed * 0.6 if spec.stage == 3 else exposed,
+        "exposed_offload": total * 0.02 if spec.offload_optimizer else 0.0,
+    }
+    parts["other"] = max(0.0, total - sum(parts.values()))
     return ev.StepEvent(
         rank=rank,
         seq=step,
@@ -193,7 +203,9 @@ def step_event(spec: SimSpec, rank: int, step: int, *, t: float | None = None,
         step_time_s=total,
         phases=phases,
         collectives=_collectives(spec, rng, scale),
-        exposed_comm_s=total * 0.08,
+        exposed_comm_s=exposed,
+        parts=parts,
+        hidden_comm_s=total * 0.1,
         offload=offload,
         memory=memory,
         grad_norm=grad_norm,

@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import pytest
-from zerowatch.server import queries, store
+from zerowatch.server import read as queries
+from zerowatch.server import store
 from zerowatch.server.db import Database
 from zerowatch.server.ingest import Ingestor
 

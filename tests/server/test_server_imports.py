@@ -9,7 +9,7 @@ import sys
 
 def test_server_imports_no_torch_agent_or_engine() -> None:
     code = (
-        "import sys, zerowatch.server.app, zerowatch.server.queries; "
+        "import sys, zerowatch.server.app, zerowatch.server.read; "
         "bad = [m for m in ('torch', 'zerowatch.agent', 'zerowatch.engine') if m in sys.modules]; "
         "assert not bad, bad"
     )

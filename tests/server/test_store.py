@@ -5,15 +5,36 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
-from zerowatch.server import queries, store
+from zerowatch.server import read, store
 from zerowatch.server.db import Database
+from zerowatch.server.read import compare as compare_read
+from zerowatch.server.read import series as series_read
+from zerowatch.server.read import trace as trace_read
 
 from zerowatch import events as ev
 from zerowatch import simulate
 
 SPEC = simulate.SimSpec(world_size=4, stage=3, spans_every=5, grad_spike_at=33)
+
+
+def _per_rank_series(*, rank: int | None = None, **kw: Any) -> dict[str, Any] | None:
+    """A series of every rank (or one): the per-rank selection of the series read."""
+    ranks = (rank,) if rank is not None else tuple(range(64))
+    return series_read.series(selection=read.Selection(ranks=ranks), **kw)
+
+
+queries = SimpleNamespace(
+    get_run=read.get_run,
+    list_runs=read.list_runs,
+    UnknownMetric=read.UnknownMetric,
+    compare=compare_read.compare,
+    trace=trace_read.trace,
+    series=_per_rank_series,
+)
 
 
 def _run(db: Database, spec: simulate.SimSpec = SPEC, n_steps: int = 40) -> str:

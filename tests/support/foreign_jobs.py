@@ -357,7 +357,7 @@ def server_series(api: str, run_id: str, metric: str, n_steps: int) -> dict[int,
     """A stored metric per rank as a list over steps 0..n_steps-1 (no value stored: 0)."""
     import httpx
 
-    r = httpx.get(f"{api}/runs/{run_id}/series", params={"metric": metric, "max_points": 20000},
+    r = httpx.get(f"{api}/runs/{run_id}/series", params={"metric": metric, "max_points": 20000, "ranks": "0-255"},
                   timeout=30)  # fmt: skip
     assert r.status_code == 200, r.text
     out: dict[int, list[float]] = {}
