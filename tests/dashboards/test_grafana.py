@@ -3,6 +3,7 @@ names only metrics zerowatch exports (events.METRICS) and parses (promtool)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -126,7 +127,11 @@ def test_every_panel_query_returns_data_from_a_real_prometheus_scraping_zerowatc
             prom.wait_for(lambda: prom.query("zerowatch_step_time_seconds"), timeout=30)
             # More steps after the first scrape, so counters and histograms move.
             post_simulated_run(server.url, spec, 5, start=5, run_id=run_id)
-            prom.wait_for(lambda: prom.query("max(zerowatch_steps_total) >= 10"), timeout=30)
+            # steps_total counts the run's rank-steps: 10 steps of 2 ranks.
+            prom.wait_for(lambda: prom.query("max(zerowatch_steps_total) >= 20"), timeout=30)
+            # Rates need two scrapes after the move; give every panel that long to fill.
+            with contextlib.suppress(Exception):
+                prom.wait_for(lambda: all(prom.query(q) for _, q in queries), timeout=20)
             empty = [(title, q) for title, q in queries if not prom.query(q)]
             assert empty == [], empty
             for var in dash["templating"]["list"]:

@@ -42,20 +42,23 @@ def test_run_view_matches_the_ingested_events(stored):
     view = pq.run_view(db=db, run_id=rc.run_id)
     assert view is not None and view.last_step == 29 and view.steps == list(range(30))
     at5 = [e for e in events if e.step == 5]
-    assert view.step_time.values[5] == pytest.approx(statistics.fmean(e.step_time_s for e in at5))
+    # Every chart draws the median over ranks (the read model's p50).
+    assert view.step_time.values[5] == pytest.approx(statistics.median(e.step_time_s for e in at5))
     assert view.phases["backward"].values[5] == pytest.approx(
-        statistics.fmean(e.phases["backward"] for e in at5)
+        statistics.median(e.phases["backward"] for e in at5)
     )
     ag = [c for e in at5 for c in e.collectives if c.op == "all_gather"]
     assert view.latency["all_gather"].values[5] == pytest.approx(
-        sum(c.latency_sum_s for c in ag) / sum(c.count for c in ag)
+        statistics.median(c.latency_sum_s / c.count for c in ag)
     )
     assert view.sizes["all_gather"].sizes[5] == pytest.approx(
-        sum(c.bytes for c in ag) / sum(c.count for c in ag)
+        statistics.median(c.bytes for c in ag) / statistics.median(c.count for c in ag)
     )
     assert set(view.offload) == {"d2h", "h2d"}
     assert view.heat.ranks == [0, 1, 2, 3] and len(view.heat.steps) == 30
-    assert view.heat.z[1][5] == next(e.step_time_s for e in at5 if e.rank == 1)
+    e1 = next(e for e in at5 if e.rank == 1)  # the straggler, by busy time
+    assert view.heat.z[1][5] == pytest.approx(e1.step_time_s - e1.exposed_comm_s)
+    assert view.straggler is not None and view.straggler.rank == 1
     assert set(view.peaks) == {0, 1, 2, 3}
     assert view.theory == {k: float(v) for k, v in rc.theory.items()}
     assert view.loss_scale.values[0] == 65536.0
@@ -71,7 +74,7 @@ def test_run_view_samples_a_long_run(stored):
     assert view.latency["all_gather"].steps == view.steps
     for step, got in zip(view.steps, view.latency["all_gather"].values, strict=True):
         ag = [c for e in events if e.step == step for c in e.collectives if c.op == "all_gather"]
-        assert got == pytest.approx(sum(c.latency_sum_s for c in ag) / sum(c.count for c in ag))
+        assert got == pytest.approx(statistics.median(c.latency_sum_s / c.count for c in ag))
 
 
 def test_run_summary_averages_the_newest_steps(stored):
@@ -79,11 +82,16 @@ def test_run_summary_averages_the_newest_steps(stored):
     got = pq.run_summary(db=db, run_id=rc.run_id, window=10)
     assert got is not None
     _, summary = got
-    newest = [e for e in events if e.step >= 20]
-    assert summary.step_time_s == pytest.approx(statistics.fmean(e.step_time_s for e in newest))
+    # read.compare's definitions: medians over the newest steps of the medians over ranks;
+    # the job's samples/s is the sum over ranks at a step.
+    newest = range(20, 30)
+    at = {s: [e for e in events if e.step == s] for s in newest}
+    assert summary.step_time_s == pytest.approx(
+        statistics.median(statistics.median(e.step_time_s for e in at[s]) for s in newest)
+    )
     assert summary.comm_bytes == pytest.approx({op: float(b) for op, b in rc.theory_comm.items()})
     assert summary.samples_per_s == pytest.approx(
-        sum(statistics.median(e.samples_per_s for e in newest if e.rank == r) for r in range(4))
+        statistics.median(sum(e.samples_per_s for e in at[s]) for s in newest)
     )
     assert pq.run_summary(db=db, run_id="nope") is None
     assert pq.run_view(db=db, run_id="nope") is None

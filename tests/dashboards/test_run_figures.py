@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from zerowatch.dashboards import run
-from zerowatch.dashboards.data import RankGrid, Series, SizePoints, straggler
+from zerowatch.dashboards.data import RankGrid, Series, SizePoints, Straggler
 
 STEPS = [0, 1, 2, 3]
 
@@ -163,18 +163,18 @@ def test_rank_heatmap_names_the_straggler_in_its_title():
     grid = RankGrid(
         ranks=[0, 1, 2, 3], steps=[0, 10], z=[[0.5, 0.5], [0.5, 0.52], [0.65, 0.66], [0.49, 0.5]]
     )
-    fig = run.rank_heatmap(grid)
-    assert "straggler: rank 2" in fig.layout.title.text
+    fig = run.rank_heatmap(grid, Straggler(rank=2, mean=0.655, median=0.5))
+    assert "straggler: rank 2 (+31% vs median rank)" in fig.layout.title.text
     (heat,) = fig.data
     assert heat.type == "heatmap" and list(heat.y) == ["rank 0", "rank 1", "rank 2", "rank 3"]
     assert heat.z[2][0] == pytest.approx(650.0)  # ms
     assert heat.colorbar.title.text == "ms"
 
 
-def test_straggler_is_none_when_ranks_are_even():
+def test_the_heatmap_says_so_when_the_server_found_no_straggler():
     grid = RankGrid(ranks=[0, 1], steps=[0], z=[[0.50], [0.51]])
-    assert straggler(grid) is None
-    assert "no straggler" in run.rank_heatmap(grid).layout.title.text
+    fig = run.rank_heatmap(grid, None)
+    assert "no straggler" in fig.layout.title.text and not fig.layout.annotations
 
 
 def test_series_rejects_mismatched_lengths():
