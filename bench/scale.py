@@ -99,9 +99,7 @@ def wait_compacted(db_url: str, run_id: str, timeout_s: float = 3600) -> float:
             pk = conn.execute(select(m.runs.c.id).where(m.runs.c.run_id == run_id)).scalar()
         while time.perf_counter() - t0 < timeout_s:
             with db.read() as conn:
-                left = conn.execute(
-                    select(func.count()).where(m.dirty_steps.c.run == pk)
-                ).scalar()
+                left = conn.execute(select(func.count()).where(m.dirty_steps.c.run == pk)).scalar()
             if not left:
                 return time.perf_counter() - t0
             time.sleep(0.5)
@@ -186,7 +184,9 @@ def run_backend(name: str, args: argparse.Namespace) -> None:
             with server(db_url, workers=workers) as url:
                 row = ingest_row(url, args, workers)
                 ingest_rows.append(row)
-        print("\n| workers | rank-steps | rank-steps/s | server CPU µs / rank-step | POST p50 | POST p99 |")
+        print(
+            "\n| workers | rank-steps | rank-steps/s | server CPU µs / rank-step | POST p50 | POST p99 |"
+        )
         print("|---:|---:|---:|---:|---:|---:|")
         for r in ingest_rows:
             print(f"| {r['workers']} | {r['rank_steps']:,} | {r['rank_steps_per_s']:,.0f} | "
@@ -205,7 +205,9 @@ def run_backend(name: str, args: argparse.Namespace) -> None:
             print(f"\n/metrics for the {args.ranks}-rank run: {n_series} series, "
                   f"{n_bytes / 1024:.1f} KiB (scrape {ms:.0f} ms)")  # fmt: skip
             rows = read_rows(url, run_id, args.repeats)
-            print(f"\n| read at {args.ranks} ranks x {args.query_steps} steps | p50 | p95 | bytes |")
+            print(
+                f"\n| read at {args.ranks} ranks x {args.query_steps} steps | p50 | p95 | bytes |"
+            )
             print("|---|---:|---:|---:|")
             for r in rows:
                 print(f"| {r['query']} | {r['p50_ms']:.1f} ms | {r['p95_ms']:.1f} ms | "
