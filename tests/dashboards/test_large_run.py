@@ -13,7 +13,8 @@ from support.screenshots import screenshot
 from zerowatch.server.db import Database
 from zerowatch.server.page_queries import MAX_POINTS
 
-pytestmark = pytest.mark.slow
+# Storing and rolling up a million rank-steps is the set-up; the pages are what is timed.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 RANK_STEPS = 1_000_000
 BUDGET_S = 2.0
