@@ -494,7 +494,12 @@ def rank_heatmap(
             []
             if bounds is None
             else rank_rows(
-                conn, pk, metric, ranks=None, step_from=bounds[1] - n_steps + 1, step_to=None
+                conn,
+                pk,
+                metric,
+                ranks=None,
+                step_from=bounds[1] - n_steps + 1,
+                step_to=bounds[1],
             )
         )
         outl = outliers(conn, pk, metric, k=1,

@@ -209,4 +209,14 @@ def store_big_run(
             .values(steps=steps, last_step=steps - 1)
         )
         stored = conn.execute(select(func.count()).where(m.steps.c.run == pk)).scalar_one()
+        # The copies went in behind the store's back: mark their steps for the rollups, as
+        # ingest would have.
+        conn.execute(
+            m.dirty_steps.insert().from_select(
+                ["run", "step", "version", "since"],
+                select(m.steps.c.run, m.steps.c.step, literal(1), literal(0.0))
+                .where(m.steps.c.run == pk, m.steps.c.step >= seed_steps)
+                .group_by(m.steps.c.run, m.steps.c.step),
+            )
+        )
     return rc.run_id, int(stored)
