@@ -10,7 +10,8 @@ What a run exposes (names from `events.METRICS`; docs/metrics.md lists each):
 - rank statistics of the newest step, label `stat` in `STATS` (min, p50, p90, max, mean),
   for every gauge: step time, busy time, phases, exclusive parts, exposed and hidden
   communication, bus bandwidth and bytes per op, offload bandwidth, memory peaks,
-  model-state bytes and their theory, grad norm, loss, loss scale, throughput;
+  model-state bytes and their theory, grad norm, loss, loss scale, throughput; the
+  throughput gauges also `stat="sum"` (mean × ranks reporting): the job's samples/s;
 - per-rank series (label `rank`, `stat` empty) only for the `top_k` ranks that stand out
   in busy time over the newest `OUTLIER_WINDOW` steps: the scalar gauges, phases and parts;
 - one latency histogram per op, summed over ranks and cumulative over the run;
@@ -49,6 +50,8 @@ M = ev.METRICS
 BUCKET_BOUNDS = [*(repr(float(b)) for b in ev.LATENCY_BUCKETS), "+Inf"]
 #: The rank statistics exposed per gauge.
 STATS = ("min", "p50", "p90", "max", "mean")
+#: Gauges that also expose `stat="sum"`, the job's total over its ranks.
+SUMMED = ("samples_per_second", "tokens_per_second")
 #: Steps over which the outlier ranks are chosen.
 OUTLIER_WINDOW = 10
 
@@ -208,6 +211,10 @@ def _collect_run(conn: Connection, fam: _Families, row: Any, *, top_k: int, now:
     for stat in STATS:
         values = {name: per[step].get(stat) for name, per in got.items() if step in per}
         _add_values(fam, run, values, stat=stat, rank="", per_rank=False)
+    for key in SUMMED:  # mean × n: the sum over the ranks that reported the step
+        st = got.get(SCALARS[key][0], {}).get(step)
+        if st is not None:
+            fam.scalars[key].add_metric([*run, "sum", ""], st.mean * st.n)
     if top_k and row.world_size > 1:
         window = rollups.newest_steps(conn, pk, "busy_s", OUTLIER_WINDOW)
         ranks = [
@@ -254,4 +261,4 @@ def exposition(
     return generate_latest(registry)
 
 
-__all__ = ["OUTLIER_WINDOW", "STATS", "ReadModelCollector", "exposition"]
+__all__ = ["OUTLIER_WINDOW", "STATS", "SUMMED", "ReadModelCollector", "exposition"]

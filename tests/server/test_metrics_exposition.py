@@ -9,7 +9,10 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from support.server_api import create_sim_run, post_events
+from zerowatch.server import store
 from zerowatch.server.app import create_app
+from zerowatch.server.db import Database
+from zerowatch.server.metrics import exposition
 from zerowatch.server.settings import Settings
 
 from zerowatch import events as ev
@@ -71,6 +74,30 @@ def test_metrics_expose_rank_statistics_and_outlier_ranks(client: TestClient) ->
     assert buckets[-1].labels["le"] == "+Inf" and buckets[-1].value == expected
     assert [b.value for b in buckets] == sorted(b.value for b in buckets)
     assert "rank" not in buckets[0].labels
+
+
+def test_the_sum_stat_of_throughput_is_the_jobs_throughput(tmp_path: Path) -> None:
+    """`stat="sum"` of samples/s and tokens/s is the sum over the newest step's ranks (and
+    no other gauge has one), also when the ranks differ in speed."""
+    spec = simulate.SimSpec(world_size=16, stage=2, straggler_rank=5, straggler_factor=1.7,
+                            spans_every=0)  # fmt: skip
+    db = Database.open(f"sqlite:///{tmp_path / 'z.db'}")
+    try:
+        rc = simulate.run_create(spec)
+        store.create_run(db, run=rc)
+        for events in (batches := list(simulate.steps(spec, 3))):
+            store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, events))
+        s = _samples(exposition(db, grace_s=300).decode())
+    finally:
+        db.close()
+    newest = batches[-1]
+    for key, field in (("samples_per_second", "samples_per_s"),
+                       ("tokens_per_second", "tokens_per_s")):  # fmt: skip
+        sums = [x.value for x in s[ev.METRICS[key]] if x.labels["stat"] == "sum"]
+        expected = sum(getattr(e, field) for e in newest)
+        assert len(sums) == 1 and abs(sums[0] - expected) <= 1e-9 * expected, (key, sums)
+    with_sum = {name for name, xs in s.items() if any(x.labels.get("stat") == "sum" for x in xs)}
+    assert with_sum == {ev.METRICS["samples_per_second"], ev.METRICS["tokens_per_second"]}
 
 
 def test_finished_runs_leave_after_the_grace_period(tmp_path: Path) -> None:
