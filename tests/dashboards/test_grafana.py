@@ -1,5 +1,7 @@
 """dashboards/grafana/zerowatch.json: valid, importable as is, and every PromQL expression
-names only metrics zerowatch exports (events.METRICS) and parses (promtool)."""
+names only metrics zerowatch exports (events.METRICS), parses (promtool), and selects one
+rank statistic (`stat`) or the outlier ranks of every gauge it reads, so that nothing
+aggregates min, p50, max... together by accident."""
 
 from __future__ import annotations
 
@@ -12,12 +14,19 @@ from pathlib import Path
 
 import pytest
 import yaml
+from zerowatch.server.metrics import KEYED, SCALARS, STATS, SUMMED
 
 from zerowatch.events import METRICS
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "grafana" / "zerowatch.json"
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 METRIC_RE = re.compile(r"\bzerowatch_[a-z0-9_]+")
+#: A metric and its selector's matchers: `zerowatch_x{a="b", c!=""}` -> ("zerowatch_x", ...).
+SELECTOR_RE = re.compile(r"\b(zerowatch_[a-z0-9_]+)(?:\{([^}]*)\})?")
+MATCHER_RE = re.compile(r'([a-z_]+)\s*(=~|!~|!=|=)\s*"([^"]*)"')
+#: Gauge families with `stat` and `rank` labels (server/metrics.py): rank statistics, or
+#: the outlier ranks' own values.
+STAT_FAMILIES = {METRICS[k] for k in (*SCALARS, *KEYED)}
 
 
 def load() -> dict:
@@ -70,6 +79,54 @@ def test_the_panels_cover_what_the_dashboard_promises():
         assert METRICS[name] in text, name
     assert "histogram_quantile(0.5," in text and "histogram_quantile(0.99," in text
     assert METRICS["collective_latency"] + "_bucket" in text
+
+
+def stat_selectors(expr: str) -> list[tuple[str, dict[str, tuple[str, str]]]]:
+    """(metric, {label: (op, value)}) of every selector of a stat-labelled family."""
+    return [
+        (name, {lb: (op, v) for lb, op, v in MATCHER_RE.findall(body or "")})
+        for name, body in SELECTOR_RE.findall(expr)
+        if name in STAT_FAMILIES
+    ]
+
+
+def mixed_stat_selectors(expr: str) -> list[str]:
+    """The stat-labelled families `expr` reads without picking `stat="<one>"` (one of STATS,
+    or "sum" for throughput) or the outlier ranks (`rank!=""`)."""
+    summed = {METRICS[k] for k in SUMMED}
+    bad = []
+    for name, matchers in stat_selectors(expr):
+        allowed = {*STATS, "sum"} if name in summed else set(STATS)
+        stat, rank = matchers.get("stat"), matchers.get("rank")
+        one_stat = stat is not None and stat[0] == "=" and stat[1] in allowed and rank is None
+        if not (one_stat or (stat is None and rank == ("!=", ""))):
+            bad.append(name)
+    return bad
+
+
+def test_every_gauge_selector_picks_one_stat_or_the_outlier_ranks():
+    """Never a selector that mixes the statistics, which an aggregation would then add or
+    average together (`sum by (run) (zerowatch_model_state_bytes)` adds min + p50 + ...)."""
+    found = {e: mixed_stat_selectors(e) for e in exprs(load()) if stat_selectors(e)}
+    assert found, "no stat-labelled gauge in the dashboard"
+    assert {e: bad for e, bad in found.items() if bad} == {}
+    text = " ".join(exprs(load()))
+    assert 'zerowatch_samples_per_second{project=~"$project", run=~"$run", stat="sum"}' in text
+    assert 'zerowatch_busy_seconds{project=~"$project", run=~"$run", rank!=""}' in text
+
+
+def test_the_stat_check_flags_selectors_over_every_stat():
+    assert mixed_stat_selectors('sum by (run) (zerowatch_model_state_bytes{run=~"$run"})') == [
+        "zerowatch_model_state_bytes"
+    ]
+    assert mixed_stat_selectors("zerowatch_steps_total + zerowatch_grad_norm") == [
+        "zerowatch_grad_norm"
+    ]
+    assert mixed_stat_selectors('zerowatch_loss{stat=~"p50|max"}') == ["zerowatch_loss"]
+    assert mixed_stat_selectors('zerowatch_loss{stat="sum"}') == ["zerowatch_loss"]
+    assert mixed_stat_selectors('zerowatch_loss{stat="max", rank="3"}') == ["zerowatch_loss"]
+    assert mixed_stat_selectors('max(zerowatch_loss{stat="max"}) / zerowatch_loss{rank!=""}') == []
+    assert mixed_stat_selectors('zerowatch_tokens_per_second{stat="sum"}') == []
 
 
 def test_every_promql_parses_with_promtool(tmp_path: Path):
@@ -134,6 +191,15 @@ def test_every_panel_query_returns_data_from_a_real_prometheus_scraping_zerowatc
                 prom.wait_for(lambda: all(prom.query(q) for _, q in queries), timeout=20)
             empty = [(title, q) for title, q in queries if not prom.query(q)]
             assert empty == [], empty
+            # Each gauge selector, as Prometheus stores the series, holds one stat (or only
+            # outlier ranks, whose stat label is empty and so absent).
+            for title, q in queries:
+                for match in SELECTOR_RE.finditer(q):
+                    if match.group(1) in STAT_FAMILIES:
+                        found = prom.query(match.group(0))
+                        assert found, (title, match.group(0))
+                        stats = {x["metric"].get("stat", "") for x in found}
+                        assert len(stats) == 1, (title, match.group(0), stats)
             for var in dash["templating"]["list"]:
                 if var["type"] == "query":  # label_values(metric{...}, label) -> the metric
                     metric = var["definition"].split("(", 1)[1].rsplit(",", 1)[0]
