@@ -13,11 +13,17 @@ $(BIN)/python:
 	# The CPU build of torch first: a looser requirement alone makes pip take a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 
-install: $(BIN)/python
-	$(BIN)/pip install -q -e '.[all]'
+# pip runs again only when pyproject.toml changed (a stamp per extra), so a second `make demo`
+# starts at once. setuptools' one notice about editable installs is not a problem here: the
+# folders it warns of are the package's own.
+PIP_INSTALL := PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install -q -e
 
-install-dev: $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev]'
+install: $(VENV)/.installed-all
+install-dev: $(VENV)/.installed-dev
+
+$(VENV)/.installed-%: pyproject.toml | $(BIN)/python
+	$(PIP_INSTALL) '.[$*]'
+	touch $@
 
 # Real Prometheus/promtool, PostgreSQL and headless Chromium for the tests (Debian).
 system-deps:
