@@ -186,13 +186,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, Any]:
-        """Liveness: the process answers and its database too."""
+        """Liveness: the process answers and its database too.
+
+        `pid` lets a launcher (`zerowatch demo`) tell its own server from another one that
+        holds the port."""
         try:
             with db.read() as conn:
                 conn.exec_driver_sql("SELECT 1")
         except Exception as e:
             return JSONResponse({"status": "error", "database": str(e)[:200]}, status_code=503)  # type: ignore[return-value]
-        return {"status": "ok", "database": db.dialect, "version": zerowatch.__version__}
+        return {
+            "status": "ok",
+            "database": db.dialect,
+            "version": zerowatch.__version__,
+            "pid": os.getpid(),
+        }
 
     # /metrics names runs and projects: a read, closed with the others by read_requires_token
     # (Prometheus then sends the token: `authorization: {credentials: <token>}`).

@@ -1,6 +1,8 @@
 """`zerowatch demo`: the main job, end to end on one CPU machine.
 
-1. Start a zerowatch server on SQLite (unless `--server` names a running one).
+1. Start a zerowatch server on SQLite (unless `--server` names a running one): on the port
+   asked for, or on a free one, said on the console, when another process holds it. The
+   runs go only to that child: it must be alive and be the one answering /healthz (by pid).
 2. For each requested ZeRO stage, launch an instrumented multi-rank training of a small
    GPT-like model with torchrun (gloo on CPU): `zerowatch.examples.train`.
 3. Follow each run's progress from the server (the steps every rank has stored).
@@ -41,16 +43,68 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float = 60.0) -> None:
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could bind `host:port` now (SO_REUSEADDR, as uvicorn binds)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class ServerStartError(RuntimeError):
+    """The demo's own server did not come up; the message says why and what to change."""
+
+
+def _healthz(url: str) -> dict[str, Any] | None:
+    """The body of a 200 answer to `url`/healthz; None for no answer or another status."""
+    try:
+        resp = httpx.get(f"{url}/healthz", timeout=2)
+        body = resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    return body if isinstance(body, dict) else {}
+
+
+def wait_for_own_server(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    """Wait until the server at `url` answers /healthz and is `proc`, still alive.
+
+    Any server may answer on the port: one that held it first takes the requests while the
+    child fails to bind. The child is known by its pid, which /healthz reports.
+
+    Raises:
+        ServerStartError: the child exited, another process answers on the port, or nothing
+            answered in time.
+    """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the server exited with code {proc.returncode} before it was ready")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+        if proc.poll() is not None:
+            raise ServerStartError(
+                f"the server exited with code {proc.returncode} before it was ready"
+                " (a port in use? choose another with --port)"
+            )
+        health = _healthz(url)
+        if health is not None:
+            if health.get("pid") == proc.pid and proc.poll() is None:
                 return
+            raise ServerStartError(
+                f"another server answers on {url}, not the demo's own (pid {proc.pid}):"
+                " choose a free port with --port"
+            )
         time.sleep(0.2)
-    raise RuntimeError(f"the server at {url} did not answer /healthz within {timeout_s:.0f} s")
+    raise ServerStartError(f"the server at {url} did not answer /healthz within {timeout_s:.0f} s")
+
+
+def _wait_healthy(url: str, timeout_s: float = 10.0) -> None:
+    """Wait until a server the user named (`--server`) answers /healthz."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _healthz(url) is not None:
+            return
+        time.sleep(0.2)
+    raise ServerStartError(f"the server at {url} did not answer /healthz within {timeout_s:.0f} s")
 
 
 @contextlib.contextmanager
@@ -77,7 +131,7 @@ def _server(
             stderr=subprocess.STDOUT,
         )
         try:
-            _wait_healthy(url, proc)
+            wait_for_own_server(url, proc)
             yield url, proc
         finally:
             if proc.poll() is None:
@@ -87,6 +141,20 @@ def _server(
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+def _pick_port(port: int) -> int:
+    """`port`, or a free one (said on the console) when it is 0 or taken."""
+    if port == 0:
+        return _free_port()
+    if port_is_free(port):
+        return port
+    free = _free_port()
+    console.print(
+        f"port {port} is in use by another process; the demo's server takes port {free}"
+        " instead (choose one with --port)"
+    )
+    return free
 
 
 @dataclass
@@ -191,19 +259,21 @@ def run_demo(
     workdir = Path(tempfile.mkdtemp(prefix="zerowatch-demo-"))
     with contextlib.ExitStack() as stack:
         if server is None:
-            port = port or _free_port()
+            port = _pick_port(port)
             db = db_url or f"sqlite:///{Path.cwd() / 'zerowatch-demo.db'}"
             try:
                 url, _ = stack.enter_context(_server(port, db, workdir / "server.log"))
-            except RuntimeError as e:
+            except ServerStartError as e:
+                log_tail = (workdir / "server.log").read_text(errors="replace")[-1500:]
                 console.print(f"[red]error:[/] {e} (log: {workdir / 'server.log'})")
+                console.print(log_tail, markup=False, highlight=False)
                 return 1
             console.print(f"zerowatch server on {url} (database {db})")
         else:
             url = server.rstrip("/")
             try:
-                _wait_healthy(url, None, timeout_s=10)
-            except RuntimeError as e:
+                _wait_healthy(url)
+            except ServerStartError as e:
                 console.print(f"[red]error:[/] {e}")
                 return 1
 
