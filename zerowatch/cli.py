@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 app = typer.Typer(
     name="zerowatch",
@@ -74,12 +77,49 @@ def serve(
 ) -> None:
     """Run the zerowatch server (API, dashboards, /metrics)."""
     from zerowatch.server.app import serve as _serve
-    from zerowatch.server.settings import SettingsError
+    from zerowatch.server.settings import Settings, SettingsError
 
+    # uvicorn binds after start-up and reports a taken port after "startup complete": ask first.
+    problem = _bind_problem(host, port)
+    if problem:
+        fail(problem, EXIT_USAGE)
     try:
+        settings = Settings.from_env(db_url=db, token=token)
+        typer.echo(
+            f"zerowatch server on http://{host}:{port} (database {_shown_db(settings.db_url)})"
+        )
         _serve(host=host, port=port, db_url=db, token=token, workers=workers)
     except SettingsError as e:
         fail(str(e), EXIT_USAGE)
+
+
+def _bind_problem(host: str, port: int) -> str | None:
+    """Why `zerowatch serve` could not listen on host:port now, or None if it could."""
+    import errno
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            s.bind(address)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            return f"port {port} on {host} is in use by another process: choose another with --port"
+        return f"cannot listen on {host}:{port} ({e.strerror or e}): check --host and --port"
+    return None
+
+
+def _shown_db(db_url: str) -> str:
+    """The database URL as `serve` prints it: a SQLite file's absolute path, no password."""
+    from sqlalchemy.engine import make_url
+
+    url = make_url(db_url)
+    if url.drivername.startswith("sqlite") and url.database and url.database != ":memory:":
+        url = url.set(database=str(Path(url.database).resolve()))
+    return url.render_as_string(hide_password=True)
 
 
 @app.command()
@@ -251,21 +291,54 @@ def runs(
 ) -> None:
     """List the runs a server holds."""
     from rich.console import Console
-    from rich.table import Table
 
     params = {k: v for k, v in (("project", project), ("status", status)) if v}
     data = _get(server or DEFAULT_SERVER, "/api/v1/runs", **params)
     items = data.get("runs", data) if isinstance(data, dict) else data
-    table = Table("id", "name", "project", "status", "stage", "world", "steps", "step time (s)")
+    rows = []
     for r in items:  # type: ignore[union-attr]
         steps_stored = max((x.get("steps", 0) for x in r.get("ranks", [])), default=0)
         st = r.get("step_time_s")
-        table.add_row(
-            str(r["run_id"]), str(r.get("name", "")), str(r.get("project", "")), str(r.get("status", "")),
-            str(r.get("zero_stage", "")), str(r.get("world_size", "")), str(steps_stored),
-            f"{st:.3f}" if isinstance(st, (int, float)) else "-",
-        )  # fmt: skip
-    Console().print(table)
+        rows.append({
+            "id": str(r["run_id"]), "status": str(r.get("status", "")),
+            "name": str(r.get("name", "")), "steps": str(steps_stored),
+            "stage": str(r.get("zero_stage", "")),
+            "step time (s)": f"{st:.3f}" if isinstance(st, (int, float)) else "-",
+            "world": str(r.get("world_size", "")), "project": str(r.get("project", "")),
+        })  # fmt: skip
+    console = Console()
+    table = _runs_table(rows, width=console.width)
+    if table is None:  # narrower than the longest id: the ids alone, one a line
+        typer.echo("\n".join(r["id"] for r in rows))
+    else:
+        console.print(table)
+
+
+#: `zerowatch runs` columns in the order they are dropped last to first when the terminal is
+#: narrow; the id is never cut, so it can be copied into `zerowatch trace`.
+_RUNS_COLUMNS = ("id", "status", "name", "steps", "stage", "step time (s)", "world", "project")
+_SHOWN_ORDER = ("id", "name", "project", "status", "stage", "world", "steps", "step time (s)")
+
+
+def _runs_table(rows: list[dict[str, str]], *, width: int) -> Table | None:
+    """A rich Table of `rows` with as many columns as fit `width` whole, the id always;
+    None when not even the id column fits."""
+    from rich.table import Table
+
+    def natural(col: str) -> int:  # the cell with its padding and left border
+        return max([len(col)] + [len(r[col]) for r in rows]) + 3
+
+    kept = list(_RUNS_COLUMNS)
+    while kept and sum(natural(c) for c in kept) + 1 > width:
+        kept.pop()
+    if not kept:
+        return None
+    table = Table()
+    for col in (c for c in _SHOWN_ORDER if c in kept):
+        table.add_column(col, no_wrap=True)
+    for r in rows:
+        table.add_row(*(r[c] for c in _SHOWN_ORDER if c in kept))
+    return table
 
 
 def main() -> None:

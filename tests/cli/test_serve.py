@@ -1,0 +1,59 @@
+"""`zerowatch serve` at the front door: it says which database it opened, and a taken port is
+a one-line usage error naming --port, before any start-up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from support.ports import free_port
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("ZEROWATCH_")}
+
+
+def test_serve_on_a_port_in_use_exits_2_naming_port_before_start_up() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "zerowatch.cli", "serve", "--port", str(port)],
+            capture_output=True, text=True, timeout=60, env=_env(),
+        )  # fmt: skip
+    assert proc.returncode == 2
+    assert f"port {port}" in proc.stderr and "--port" in proc.stderr
+    assert "Traceback" not in proc.stderr and "startup" not in proc.stderr.lower()
+
+
+def test_serve_prints_the_sqlite_file_it_opened_as_an_absolute_path(tmp_path: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zerowatch.cli", "serve", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path, env=_env(),
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    assert first.strip() == (
+        f"zerowatch server on http://127.0.0.1:{port} (database sqlite:///{tmp_path / 'zerowatch.db'})"
+    )
+
+
+def test_serve_prints_a_database_url_without_its_password() -> None:
+    url = "postgresql+psycopg://watcher:s3cret@127.0.0.1:1/zerowatch"  # nothing listens on :1
+    proc = subprocess.run(
+        [sys.executable, "-m", "zerowatch.cli", "serve", "--port", str(free_port())],
+        capture_output=True, text=True, timeout=60, env=dict(_env(), ZEROWATCH_DB_URL=url),
+    )  # fmt: skip
+    first = proc.stdout.splitlines()[0]
+    assert "postgresql+psycopg://watcher:***@127.0.0.1:1/zerowatch" in first
+    assert "s3cret" not in proc.stdout
