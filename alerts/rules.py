@@ -1,16 +1,18 @@
 """zerowatch's Prometheus rules: recording rules over the server's /metrics, and the alerts
 an operator of ZeRO-sharded training wants on call.
 
-The series read here are the server's (names from zerowatch.events.METRICS). Per rank and
-run, labelled `run`, `project` and `rank`: gauges of the newest step's value
-(`zerowatch_step_time_seconds`, `zerowatch_optimizer_step_seconds`,
-`zerowatch_exposed_communication_seconds`, `zerowatch_grad_norm`, `zerowatch_loss`,
-`zerowatch_loss_scale` for fp16 runs only, `zerowatch_memory_peak_bytes{phase}`,
-`zerowatch_memory_capacity_bytes` when known, `zerowatch_offload_bandwidth_bytes_per_second
-{direction}`), counters (`zerowatch_nonfinite_steps_total`, the histogram
-`zerowatch_collective_latency_seconds_bucket{op, le}`), and per run
-`zerowatch_run_last_event_timestamp_seconds` (unix time of the newest event) and
-`zerowatch_run_running` (1 until the run has ended).
+The series read here are the server's (names from zerowatch.events.METRICS), bounded per
+run whatever its world size (docs/metrics.md). Gauges of the newest step carry `run`,
+`project` and either `stat` (the distribution over ranks: `min`, `p50`, `p90`, `max`,
+`mean`) or, for the few outlier ranks the server names (the slowest by busy time), `rank`.
+Counters and the collective latency histogram (`zerowatch_collective_latency_seconds_bucket
+{op, le}`) are per run, summed over ranks. Per run also `zerowatch_run_last_event_timestamp_
+seconds` (unix time of the newest event) and `zerowatch_run_running` (1 until it ended).
+
+So a run-level alert reads one statistic (`{stat="max"}` for the worst rank, `{stat="p50"}`
+for the typical one), and the one alert about a named rank (ZeroWatchStragglerRank) reads
+the outlier ranks' own series against the run's median: it fires for one slow rank among
+4,096 as it does among 4.
 
 Each alert has its own rule group: first the recording rules it reads, then the alert.
 Prometheus evaluates the rules of one group in order, so an alert sees the values recorded
@@ -35,6 +37,8 @@ from .settings import AlertSettings, Duration
 
 RUN = "project, run"
 RANK = "project, run, rank"
+#: Selectors of one rank statistic of a gauge family.
+MIN, P50, MEAN, MAX = (f'{{stat="{s}"}}' for s in ("min", "p50", "mean", "max"))
 
 HEADER = (
     "# zerowatch Prometheus rules: recording rules and alerts for ZeRO-sharded training.\n"
@@ -120,13 +124,13 @@ def alerts(s: AlertSettings) -> list[Alert]:
             records=(
                 Record(
                     f"zerowatch:step_time_seconds:avg{w}",
-                    f"avg by ({RUN}) (avg_over_time({m['step_time']}[{w}]))",
+                    f"max by ({RUN}) (avg_over_time({m['step_time']}{MEAN}[{w}]))",
                 ),
                 # From the raw series, so that a baseline exists as soon as the raw data
                 # does, not only an offset after this rule was first loaded.
                 Record(
                     f"zerowatch:step_time_seconds:avg{w}_offset{off}",
-                    f"avg by ({RUN}) (avg_over_time({m['step_time']}[{w}] offset {off}))",
+                    f"max by ({RUN}) (avg_over_time({m['step_time']}{MEAN}[{w}] offset {off}))",
                 ),
             ),
             expr=f"zerowatch:step_time_seconds:avg{w} / zerowatch:step_time_seconds:avg{w}_offset{off}"
@@ -147,7 +151,7 @@ def alerts(s: AlertSettings) -> list[Alert]:
             records=(
                 Record(
                     f"zerowatch:optimizer_step_seconds:max_avg{w}",
-                    f"max by ({RUN}) (avg_over_time({m['optimizer_step']}[{w}]))",
+                    f"max by ({RUN}) (avg_over_time({m['optimizer_step']}{MAX}[{w}]))",
                 ),
             ),
             expr=f"zerowatch:optimizer_step_seconds:max_avg{w}"
@@ -188,10 +192,10 @@ def alerts(s: AlertSettings) -> list[Alert]:
             alert="ZeroWatchGradNormSpike",
             group="zerowatch.grad_norm",
             records=(
-                Record("zerowatch:grad_norm:max", f"max by ({RUN}) ({m['grad_norm']})"),
+                Record("zerowatch:grad_norm:max", f"max by ({RUN}) ({m['grad_norm']}{MAX})"),
                 Record(
                     f"zerowatch:grad_norm:avg{gw}",
-                    f"max by ({RUN}) (avg_over_time({m['grad_norm']}[{gw}]))",
+                    f"max by ({RUN}) (avg_over_time({m['grad_norm']}{MAX}[{gw}]))",
                 ),
             ),
             expr=f"zerowatch:grad_norm:max / zerowatch:grad_norm:avg{gw}"
@@ -234,23 +238,23 @@ def alerts(s: AlertSettings) -> list[Alert]:
                 # Busy time: the step minus the communication it waited in. In synchronous
                 # data parallelism every rank's step ends at the same collective, so step
                 # times are alike on all ranks; the straggler is the rank that waits least.
-                # Runs that do not report exposed communication fall back to step time.
+                # The server names the ranks slowest by busy time (`rank` label) and gives
+                # the run's median over all ranks (`stat="p50"`), whatever the world size.
                 Record(
                     "zerowatch:rank_busy_seconds",
-                    f"max by ({RANK}) ({m['step_time']} - {m['exposed_comm']})"
-                    f" or max by ({RANK}) ({m['step_time']})",
+                    f'max by ({RANK}) ({m["busy"]}{{rank!=""}})',
                 ),
                 Record(
                     f"zerowatch:rank_busy_seconds:avg{w}",
                     f"avg_over_time(zerowatch:rank_busy_seconds[{w}])",
                 ),
                 Record(
-                    f"zerowatch:rank_busy_seconds:median_avg{w}",
-                    f"quantile by ({RUN}) (0.5, zerowatch:rank_busy_seconds:avg{w})",
+                    f"zerowatch:run_busy_seconds:median_avg{w}",
+                    f"max by ({RUN}) (avg_over_time({m['busy']}{P50}[{w}]))",
                 ),
             ),
             expr=f"zerowatch:rank_busy_seconds:avg{w}"
-            f" / on ({RUN}) group_left () zerowatch:rank_busy_seconds:median_avg{w}"
+            f" / on ({RUN}) group_left () zerowatch:run_busy_seconds:median_avg{w}"
             f" > {_num(s.straggler_ratio)}",
             for_=s.straggler_for,
             severity="warning",
@@ -268,56 +272,60 @@ def alerts(s: AlertSettings) -> list[Alert]:
             records=(
                 Record(
                     "zerowatch:memory_peak_to_capacity:ratio",
-                    f"max by ({RANK}) ({m['memory_peak']})"
-                    f" / max by ({RANK}) ({m['memory_capacity']} > 0)",
+                    f"max by ({RUN}) ({m['memory_peak']}{MAX})"
+                    f" / max by ({RUN}) ({m['memory_capacity']}{MAX} > 0)",
                 ),
             ),
             expr=f"zerowatch:memory_peak_to_capacity:ratio > {_num(s.memory_headroom_ratio)}",
             for_=s.memory_for,
             severity="warning",
-            summary=f"Rank {{{{ $labels.rank }}}} of run {_run()} peaks at {VALUE_PCT} of device memory",
-            description=f"The peak memory of {_who(rank=True)} is {VALUE_PCT} of its device's "
-            f"capacity (threshold {_pct(s.memory_headroom_ratio)}, for {s.memory_for}); an "
-            "out-of-memory error is close. Look at the run's memory page (peak per phase "
-            "against the ZeRO model-state theory), fragmentation (reserved against allocated, "
-            "allocator retries), activation memory (micro-batch, sequence length, activation "
+            summary=f"Memory of run {_run()} peaks at {VALUE_PCT} of a device",
+            description=f"The highest memory peak over the ranks of {_who()} is {VALUE_PCT} "
+            f"of its device's capacity (threshold {_pct(s.memory_headroom_ratio)}, for "
+            f"{s.memory_for}); an out-of-memory error is close. Look at the run's memory by "
+            "rank (which ranks peak highest, and in which phase, against the ZeRO "
+            "model-state theory), fragmentation (reserved against allocated, allocator "
+            "retries), activation memory (micro-batch, sequence length, activation "
             "checkpointing) and the stage-3 live-parameter and prefetch limits.",
         ),
         Alert(
             alert="ZeroWatchOffloadBandwidthLow",
             group="zerowatch.offload",
             records=(
+                # The slowest rank now against the run's median rank over the baseline
+                # window: one rank's degraded link and a drop of the whole run both show.
                 Record(
-                    f"zerowatch:offload_bandwidth_bytes_per_second:avg{w}",
-                    f"avg by ({RANK}, direction) (avg_over_time({m['offload_bw']}[{w}]))",
+                    f"zerowatch:offload_bandwidth_bytes_per_second:min_avg{w}",
+                    f"min by ({RUN}, direction) (avg_over_time({m['offload_bw']}{MIN}[{w}]))",
                 ),
                 Record(
-                    f"zerowatch:offload_bandwidth_bytes_per_second:avg{ow}",
-                    f"avg by ({RANK}, direction) (avg_over_time({m['offload_bw']}[{ow}]))",
+                    f"zerowatch:offload_bandwidth_bytes_per_second:median_avg{ow}",
+                    f"max by ({RUN}, direction) (avg_over_time({m['offload_bw']}{P50}[{ow}]))",
                 ),
             ),
-            expr=f"zerowatch:offload_bandwidth_bytes_per_second:avg{w}"
-            f" / zerowatch:offload_bandwidth_bytes_per_second:avg{ow}"
+            expr=f"zerowatch:offload_bandwidth_bytes_per_second:min_avg{w}"
+            f" / zerowatch:offload_bandwidth_bytes_per_second:median_avg{ow}"
             f" < {_num(s.offload_bandwidth_ratio)}",
             for_=s.offload_bandwidth_for,
             severity="warning",
-            summary="Offload {{ $labels.direction }} bandwidth of rank {{ $labels.rank }} in "
-            f"run {_run()} fell to {VALUE_PCT} of its recent level",
-            description="The {{ $labels.direction }} offload bandwidth of "
-            f"{_who(rank=True)} over the last {w} is {VALUE_PCT} of its average over the last "
-            f"{ow} (threshold {_pct(s.offload_bandwidth_ratio)}, for "
-            f"{s.offload_bandwidth_for}). Look at that host's PCIe link (width and "
-            "generation), pinned host memory, the NUMA affinity of the rank, and other "
-            "host-device traffic on the same link.",
+            summary="Offload {{ $labels.direction }} bandwidth of the slowest rank in run "
+            f"{_run()} fell to {VALUE_PCT} of the run's level",
+            description="The {{ $labels.direction }} offload bandwidth of the slowest rank of "
+            f"{_who()} over the last {w} is {VALUE_PCT} of the run's median rank over the "
+            f"last {ow} (threshold {_pct(s.offload_bandwidth_ratio)}, for "
+            f"{s.offload_bandwidth_for}). Look at the run page's ranks lowest in offload "
+            "bandwidth, then at their hosts: the PCIe link (width and generation), pinned "
+            "host memory, the NUMA affinity of the ranks, and other host-device traffic on "
+            "the same link.",
         ),
         Alert(
             alert="ZeroWatchLossScaleCollapse",
             group="zerowatch.loss_scale",
             records=(
-                Record("zerowatch:loss_scale:min", f"min by ({RUN}) ({m['loss_scale']})"),
+                Record("zerowatch:loss_scale:min", f"min by ({RUN}) ({m['loss_scale']}{MIN})"),
                 Record(
                     f"zerowatch:loss_scale:max{lw}",
-                    f"max by ({RUN}) (max_over_time({m['loss_scale']}[{lw}]))",
+                    f"max by ({RUN}) (max_over_time({m['loss_scale']}{MAX}[{lw}]))",
                 ),
             ),
             expr=f"zerowatch:loss_scale:min <= {_num(s.loss_scale_floor)}"
@@ -342,15 +350,14 @@ def alerts(s: AlertSettings) -> list[Alert]:
                     f"sum by ({RUN}) (increase({m['nonfinite']}[{nw}]))",
                 ),
             ),
-            # NaN != NaN is true: the comparison keeps exactly the NaN samples.
-            expr=f"zerowatch:nonfinite_steps:increase{nw} > 0"
-            f" or count by ({RUN}) ({m['loss']} != {m['loss']} or abs({m['loss']}) == +Inf)",
+            # The server counts a step as non-finite when any rank's loss or gradient was
+            # NaN or infinite (its loss gauges hold finite values only).
+            expr=f"zerowatch:nonfinite_steps:increase{nw} > 0",
             for_=s.nonfinite_for,
             severity="critical",
             summary=f"Non-finite loss in {_who()}",
             description=f"{_who(capital=True)} produced a NaN or infinite loss: non-finite "
-            f"steps were counted within the last {nw}, or a rank's latest loss is NaN or "
-            "infinite. Training is diverging or its state is corrupt. Look at the loss, the "
+            f"steps were counted within the last {nw}. Training is diverging or its state is corrupt. Look at the loss, the "
             "gradient norm and the learning rate just before the first non-finite step, the "
             "data batch of that step, and the loss scale (fp16); resume from the last good "
             "checkpoint with a lower learning rate or tighter clipping.",
