@@ -14,7 +14,8 @@ inline code that starts with `zerowatch`, `torchrun` or `make`. Each runs as fol
 - `zerowatch serve ...`: started and stopped once it prints the address and the database it
   opened. The one on port 8321 keeps running on a free port and is the README's server
   (`ZEROWATCH_SERVER`) for the other commands; the others get `--port` of a free port.
-- `torchrun ...`: runs `train.py` (a stand-in for the user's script that prints its rank);
+- `torchrun ...`: runs `train.py` (a stand-in for the user's script that prints its rank) on
+  a free rendezvous port (PET_MASTER_PORT);
   a rendezvous across machines (`--rdzv-endpoint HOST:...`) runs `--help` only.
 - every other command runs as written, its placeholders filled in: RUN (a simulated run the
   server holds), SPOOL_DIR (that run as an agent's spool), URL (the server).
@@ -197,7 +198,8 @@ def test_every_command_the_readme_shows_works_as_written(fresh: tuple[Path, str]
     without = subprocess.run(["bash", "-c", "zerowatch --help"], env=_clean_env(), cwd=cwd,
                              capture_output=True, text=True)  # fmt: skip
     assert without.returncode == 127, "zerowatch must need the activation the README shows"
-    shell = Shell(cwd, activate, _clean_env(ZEROWATCH_SERVER=url))
+    # torchrun's default rendezvous port (29500) may be another job's on this machine.
+    shell = Shell(cwd, activate, _clean_env(ZEROWATCH_SERVER=url, PET_MASTER_PORT=str(free_port())))
 
     def filled(c: str) -> str:
         c = c.replace("8321", str(port)).replace("http://monitor:", "http://127.0.0.1:")
