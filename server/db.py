@@ -8,6 +8,14 @@ needs no lock: its row locks serialize what must be serialized.
 
 Migrations are Alembic revisions under migrations/versions/, applied programmatically
 (no alembic.ini, no env.py): `Database.open()` upgrades the schema to head.
+
+SQLite plans queries without statistics unless someone runs ANALYZE, and then prefers a
+primary key's (run) prefix to the (run, step) indexes whenever a query reads a column the
+index does not hold: it reads every row of a run to find one step (1.3 s for the 32 rows
+of one step of a run of a million rank-steps, growing with the run). `Database.open()`
+therefore writes the shape of a big database into `sqlite_stat1` (SQLite's documented way
+to steer its planner) where no statistics exist yet: a run holds many steps, a step few
+rows. PostgreSQL plans from the statistics its autovacuum keeps.
 """
 
 from __future__ import annotations
@@ -53,6 +61,31 @@ def make_engine(url: str) -> Engine:
     return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
 
 
+#: sqlite_stat1 rows (table, index, "rows rows-per-prefix...") for the big tables: a run
+#: of 100,000 rows per million, 100 rows a step, one row per full key.
+PLANNER_STATS = (
+    ("steps", "steps", "1000000000 100000 1000 1"),
+    ("steps", "ix_steps_run_step", "1000000000 100000 100"),
+    ("collectives", "collectives", "1000000000 100000 1000 1 1 1"),
+    ("collectives", "ix_collectives_run_op_step", "1000000000 100000 50000 100"),
+    ("spans", "ix_spans_run_step", "1000000 10000 100"),
+    ("step_rollups", "step_rollups", "100000000 1000000 20000 1"),
+)
+
+
+def _planner_stats(conn: Connection) -> bool:
+    """Write PLANNER_STATS where sqlite_stat1 holds nothing for a table yet (a database
+    someone ANALYZEd keeps its measured statistics). Returns whether anything was written."""
+    conn.exec_driver_sql("ANALYZE sqlite_schema")  # creates sqlite_stat1, reads no table
+    have = {r[0] for r in conn.exec_driver_sql("SELECT DISTINCT tbl FROM sqlite_stat1")}
+    rows = [r for r in PLANNER_STATS if r[0] not in have]
+    for row in rows:
+        conn.exec_driver_sql("INSERT INTO sqlite_stat1 (tbl, idx, stat) VALUES (?, ?, ?)", row)
+    if rows:
+        conn.exec_driver_sql("ANALYZE sqlite_schema")  # this connection reloads them
+    return bool(rows)
+
+
 def migrate(engine: Engine) -> None:
     """Upgrade the schema to the newest Alembic revision (no-op when already there)."""
     cfg = Config()
@@ -87,6 +120,11 @@ class Database:
         engine = make_engine(url)
         if migrate_schema:
             migrate(engine)
+        if engine.dialect.name == "sqlite":
+            with engine.begin() as conn:
+                wrote = _planner_stats(conn)
+            if wrote and not isinstance(engine.pool, StaticPool):
+                engine.dispose()  # pooled connections loaded the schema without them
         return cls(engine)
 
     @contextlib.contextmanager

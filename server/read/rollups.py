@@ -192,10 +192,9 @@ def compute(conn: Connection, pk: int, steps: Iterable[int]) -> dict[int, dict[s
 # -- reading ----------------------------------------------------------------------------------
 
 
-def _from_row(r: Any) -> Stats:
-    extra = r._mapping.get("extra") or {}
+def _from_row(r: Any, extra: bool) -> Stats:
     return Stats(r.n, r.min, r.p10, r.p50, r.p90, r.max, r.mean, r.min_rank, r.max_rank,
-                 extra)  # fmt: skip
+                 (r.extra or {}) if extra else {})  # fmt: skip
 
 
 def dirty_in(
@@ -228,9 +227,12 @@ def read(
     and histograms out (they are most of a rollup row's bytes). `metrics=None`: all.
     """
     r = m.step_rollups.c
-    conds = [r.run == pk]
-    if metrics is not None:
-        conds.append(r.metric.in_(list(metrics)))
+    # The primary key is (run, metric, step): naming the metrics lets a read of some steps
+    # seek each (metric, step) instead of reading every rollup of the run.
+    conds = [
+        r.run == pk,
+        r.metric.in_(list(metrics) if metrics is not None else metric_names(conn, pk)),
+    ]
     if step_from is not None:
         conds.append(r.step >= step_from)
     if step_to is not None:
@@ -245,7 +247,7 @@ def read(
     if extra:
         cols.append(r.extra)
     for row in conn.execute(select(*cols).where(*conds).order_by(r.metric, r.step)):
-        out[row.metric][int(row.step)] = _from_row(row)
+        out[row.metric][int(row.step)] = _from_row(row, extra)
     dirty = dirty_in(conn, pk, step_from=step_from, step_to=step_to)
     if steps_in is not None:
         keep = set(steps_in)
@@ -262,6 +264,20 @@ def read(
         for name in out:
             out[name] = dict(sorted(out[name].items()))
     return dict(out)
+
+
+def metric_names(conn: Connection, pk: int) -> list[str]:
+    """The metrics run `pk` has rollups of, ascending: one index seek per name (a loose
+    index scan), not a read of the run's rollups."""
+    sql = text(
+        "WITH RECURSIVE n(metric) AS ("
+        " SELECT MIN(metric) FROM step_rollups WHERE run = :pk"
+        " UNION ALL"
+        " SELECT (SELECT MIN(metric) FROM step_rollups WHERE run = :pk AND metric > n.metric)"
+        " FROM n WHERE n.metric IS NOT NULL)"
+        " SELECT metric FROM n WHERE metric IS NOT NULL"
+    )
+    return [str(x) for x in conn.execute(sql, {"pk": pk}).scalars()]
 
 
 def newest_steps(conn: Connection, pk: int, metric: str, n: int) -> list[int]:
@@ -582,6 +598,7 @@ __all__ = [
     "Stats",
     "compute",
     "dirty_in",
+    "metric_names",
     "newest_steps",
     "quantile",
     "read",

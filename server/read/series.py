@@ -368,10 +368,7 @@ def metrics_catalog(*, db: Database, run_id: str) -> dict[str, Any] | None:
         names: set[str] = set()
         if bounds is not None:
             last = bounds[1]
-            r = m.step_rollups.c
-            names.update(
-                conn.execute(select(r.metric).where(r.run == pk, r.step == last)).scalars()
-            )
+            names.update(rollups.metric_names(conn, pk))
             if not names:
                 names.update(rollups.compute(conn, pk, [last]).get(last, {}))
 
