@@ -12,8 +12,9 @@ with `zerowatch.instrument`; `.wait()` returns their run ids once they end.
 `store_big_run(db, rank_steps=1_000_000)` ingests the first `seed_steps` steps of a
 simulated run (zerowatch.simulate) through the store's own ingest, so every row is exactly
 what ingest writes, then doubles the run in SQL (`INSERT ... SELECT` of the stored rows
-shifted by the steps already stored) until it holds `rank_steps` rank-steps, and brings the
-per-rank counters up to date. Ingesting a million rank-steps one batch at a time would take
+shifted by the steps already stored) until it holds `rank_steps` rank-steps, copying the
+seed's rollups (computed by the server's own compactor) with the rows and scaling the run's
+totals, and brings the per-rank counters up to date. Ingesting a million rank-steps one batch at a time would take
 minutes; the pages under test only read, so how the rows got there does not matter to them.
 """
 
@@ -36,6 +37,7 @@ from sqlalchemy import func, insert, literal, select, update
 from zerowatch.server import models as m
 from zerowatch.server import store
 from zerowatch.server.db import Database
+from zerowatch.server.read.rollups import Compactor
 
 from zerowatch import events as ev
 from zerowatch import simulate as sim
@@ -195,28 +197,34 @@ def store_big_run(
     for i in range(0, len(events), 1000):
         batch = ev.EventBatch(run_id=rc.run_id, events=events[i : i + 1000])
         store.ingest_batch(db, run_id=rc.run_id, batch=batch)
+    # Roll the seed up as a live server's compactor would; the copies below carry their
+    # rollups with them (a copied step's ranks hold the same values as its original).
+    Compactor(db, max_steps=seed_steps).flush()
     steps = seed_steps
     doublings = max(0, math.ceil(math.log2(rank_steps / (seed_steps * world_size))))
     with db.write() as conn:
         pk = conn.execute(select(m.runs.c.id).where(m.runs.c.run_id == rc.run_id)).scalar_one()
         for _ in range(doublings):
-            for table in (m.steps, m.collectives):
+            for table in (m.steps, m.collectives, m.step_rollups):
                 _copy_shifted(conn, table, pk, steps, spec.step_time_s)
             steps *= 2
+        # Every total (skipped and non-finite steps, latency histograms) doubled with the run.
+        t = m.run_totals.c
+        for key, value, buckets in conn.execute(
+            select(t.key, t.value, t.buckets).where(t.run == pk)
+        ).all():
+            if key.startswith("retention."):
+                continue
+            scale = 2**doublings
+            conn.execute(
+                update(m.run_totals)
+                .where(t.run == pk, t.key == key)
+                .values(value=value * scale, buckets=[int(n) * scale for n in buckets or []])
+            )
         conn.execute(
             update(m.rank_states)
             .where(m.rank_states.c.run == pk)
             .values(steps=steps, last_step=steps - 1)
         )
         stored = conn.execute(select(func.count()).where(m.steps.c.run == pk)).scalar_one()
-        # The copies went in behind the store's back: mark their steps for the rollups, as
-        # ingest would have.
-        conn.execute(
-            m.dirty_steps.insert().from_select(
-                ["run", "step", "version", "since"],
-                select(m.steps.c.run, m.steps.c.step, literal(1), literal(0.0))
-                .where(m.steps.c.run == pk, m.steps.c.step >= seed_steps)
-                .group_by(m.steps.c.run, m.steps.c.step),
-            )
-        )
     return rc.run_id, int(stored)
