@@ -7,7 +7,8 @@ indexed queries, whatever the world size.
 
 What a run exposes (names from `events.METRICS`; docs/metrics.md lists each):
 
-- rank statistics of the newest step, label `stat` in `STATS` (min, p50, p90, max, mean),
+- rank statistics of the newest rolled-up step (a step whose ranks have arrived; the newest
+  step at all while nothing is rolled up), label `stat` in `STATS` (min, p50, p90, max, mean),
   for every gauge: step time, busy time, phases, exclusive parts, exposed and hidden
   communication, bus bandwidth and bytes per op, offload bandwidth, memory peaks,
   model-state bytes and their theory, grad norm, loss, loss scale, throughput; the
@@ -203,11 +204,16 @@ def _collect_run(conn: Connection, fam: _Families, row: Any, *, top_k: int, now:
             acc += n
             cum.append((bound, acc))
         fam.latency.add_metric([*run, op], cum, value)
-    newest = rollups.newest_steps(conn, pk, "step_time_s", 1)
-    if not newest:
-        return
-    step = newest[0]
-    got: dict[str, dict[int, Stats]] = rollups.read(conn, pk, None, steps_in=newest)
+    # The newest step the compactor has rolled up: its ranks have arrived (a step still
+    # arriving would show part of its distribution) and reading it costs a row per metric.
+    # A run with nothing rolled up yet shows its newest step, computed from its rows.
+    step = rollups.newest_rolled_up(conn, pk, "step_time_s")
+    if step is None:
+        newest = rollups.newest_steps(conn, pk, "step_time_s", 1)
+        if not newest:
+            return
+        step = newest[0]
+    got: dict[str, dict[int, Stats]] = rollups.read(conn, pk, None, steps_in=[step])
     for stat in STATS:
         values = {name: per[step].get(stat) for name, per in got.items() if step in per}
         _add_values(fam, run, values, stat=stat, rank="", per_rank=False)
@@ -216,11 +222,13 @@ def _collect_run(conn: Connection, fam: _Families, row: Any, *, top_k: int, now:
         if st is not None:
             fam.scalars[key].add_metric([*run, "sum", ""], st.mean * st.n)
     if top_k and row.world_size > 1:
-        window = rollups.newest_steps(conn, pk, "busy_s", OUTLIER_WINDOW)
         ranks = [
             o["rank"]
-            for o in series.outliers(conn, pk, "busy_s", k=top_k, step_from=window[0], low=False)
-        ] if window else []  # fmt: skip
+            for o in series.outliers(
+                conn, pk, "busy_s", k=top_k, step_from=step - OUTLIER_WINDOW + 1, step_to=step,
+                low=False,
+            )
+        ]  # fmt: skip
         for rank, values in sorted(_outlier_values(conn, pk, ranks, step).items()):
             _add_values(fam, run, values, stat="", rank=str(rank), per_rank=True)
 

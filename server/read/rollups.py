@@ -292,6 +292,13 @@ def newest_steps(conn: Connection, pk: int, metric: str, n: int) -> list[int]:
     return sorted({int(x) for x in (*stored, *dirty)})[-n:]
 
 
+def newest_rolled_up(conn: Connection, pk: int, metric: str) -> int | None:
+    """The newest step of run `pk` with a stored rollup of `metric` (None: none yet)."""
+    r = m.step_rollups.c
+    got = conn.execute(select(func.max(r.step)).where(r.run == pk, r.metric == metric)).scalar()
+    return int(got) if got is not None else None
+
+
 def step_bounds(conn: Connection, pk: int) -> tuple[int, int] | None:
     """(first, last) step holding rollups or marks, or None for a run without steps."""
     r, d = m.step_rollups.c, m.dirty_steps.c
@@ -599,6 +606,7 @@ __all__ = [
     "compute",
     "dirty_in",
     "metric_names",
+    "newest_rolled_up",
     "newest_steps",
     "quantile",
     "read",
