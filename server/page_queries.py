@@ -24,6 +24,13 @@ from zerowatch import events as ev
 
 #: Most sample steps a chart draws.
 MAX_POINTS = 400
+#: The rollups the run page draws (metric names, or prefixes of them).
+DRAWN = (
+    "step_time_s", "exposed_comm_s", "phase.", "offload.", "grad_norm", "loss", "lr",
+    "loss_scale", "clipped", "skipped",
+    *(f"collective.{op}.{f}" for op in ev.COLLECTIVE_OPS
+      for f in ("latency_s", "busbw", "bytes", "count")),
+)  # fmt: skip
 #: Ranks whose memory is drawn one by one; wider runs show the distribution's ends.
 MEMORY_RANKS = 64
 
@@ -65,7 +72,8 @@ def run_view(
         if pk is None or bounds is None:
             return view
         steps = sample_steps(bounds[0], bounds[1], max_points)
-        got = rollups.read(conn, pk, None, steps_in=steps)
+        names = [n for n in rollups.metric_names(conn, pk) if n.startswith(DRAWN)]
+        got = rollups.read(conn, pk, names, steps_in=steps)
         memory = _memory(conn, pk, int(run["world_size"]), bounds[1])
     view.last_step = bounds[1]
     view.steps = sorted(got.get("step_time_s", {}))

@@ -192,11 +192,6 @@ def compute(conn: Connection, pk: int, steps: Iterable[int]) -> dict[int, dict[s
 # -- reading ----------------------------------------------------------------------------------
 
 
-def _from_row(r: Any, extra: bool) -> Stats:
-    return Stats(r.n, r.min, r.p10, r.p50, r.p90, r.max, r.mean, r.min_rank, r.max_rank,
-                 (r.extra or {}) if extra else {})  # fmt: skip
-
-
 def dirty_in(
     conn: Connection, pk: int, *, step_from: int | None = None, step_to: int | None = None
 ) -> list[int]:
@@ -246,8 +241,10 @@ def read(
             r.max_rank]  # fmt: skip
     if extra:
         cols.append(r.extra)
-    for row in conn.execute(select(*cols).where(*conds).order_by(r.metric, r.step)):
-        out[row.metric][int(row.step)] = _from_row(row, extra)
+    for row in conn.execute(select(*cols).where(*conds).order_by(r.metric, r.step)).tuples():
+        metric, step, n, lo, p10, p50, p90, hi, mean, lo_rank, hi_rank = row[:11]
+        more = (row[11] or {}) if extra else {}
+        out[metric][int(step)] = Stats(n, lo, p10, p50, p90, hi, mean, lo_rank, hi_rank, more)
     dirty = dirty_in(conn, pk, step_from=step_from, step_to=step_to)
     if steps_in is not None:
         keep = set(steps_in)

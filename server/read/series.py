@@ -509,7 +509,9 @@ def rank_heatmap(
     for rk, step, v in rows:
         if v is None:
             continue
-        row = cells.setdefault(int(rk) // block, [[] for _ in steps])
+        row = cells.get(int(rk) // block)
+        if row is None:
+            row = cells[int(rk) // block] = [[] for _ in steps]
         row[index[int(step)]].append(float(v))
     reduce = max if agg == "max" else statistics.median
     keys = sorted(cells)
