@@ -14,6 +14,7 @@ import itertools
 import os
 import re
 import socket
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -204,7 +205,18 @@ def instrument(
     transport.start()
     adapter.attach(recorder)
     _close_at_exit(handle)
+    if job.rank == 0:
+        _announce(run_id, server, spool.run_dir if server is None else None)
     return handle
+
+
+def _announce(run_id: str, server: str | None, spool_path: Path | None) -> None:
+    """One line on rank 0's stderr: where to watch the run (or where it is spooled)."""
+    if server:
+        where = f"{server.rstrip('/')}/runs/{run_id}"
+    else:
+        where = f"no server: spooling to {spool_path} (send it with `zerowatch upload`)"
+    print(f"zerowatch: run {run_id}: {where}", file=sys.stderr, flush=True)
 
 
 def _close_at_exit(run: Run) -> None:

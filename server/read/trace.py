@@ -141,6 +141,11 @@ def trace(
             "steps": [lo, hi],
             "t0_unix_s": t0,
             "sampled_steps": sorted({int(r.step) for r in span_rows}),
+            # Phase, collective and offload spans are what the agent sends for every
+            # `spans_every`-th step (10 by default); the other steps are step slices only.
+            "note": "phase, collective and offload detail is kept for the steps in "
+            "sampled_steps (every 10th step by default: the agent's spans_every); the "
+            "other steps show their step time only",
         },
     }
 

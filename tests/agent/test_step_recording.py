@@ -185,3 +185,18 @@ def test_steps_are_numbered_from_the_engines_step_count(fake_engine, spool_root)
         fake_engine.train_step()
         fake_engine.train_step()
     assert [e["step"] for e in spooled(run) if e["kind"] == "step"] == [3, 4]
+
+
+def test_rank_0_says_where_to_watch_the_run(fake_engine, spool_root, capsys, monkeypatch):
+    monkeypatch.delenv("ZEROWATCH_SERVER", raising=False)
+    with zerowatch.instrument(fake_engine, spool_dir=spool_root) as run:
+        pass
+    err = capsys.readouterr().err
+    assert f"zerowatch: run {run.id}: no server: spooling to " in err
+    assert "zerowatch upload" in err
+    # With a server (none listening: the shipper spools, the line is printed regardless).
+    with zerowatch.instrument(
+        fake_engine, server="http://127.0.0.1:9/", spool_dir=spool_root, http_timeout_s=0.2
+    ) as run:
+        pass
+    assert f"zerowatch: run {run.id}: http://127.0.0.1:9/runs/{run.id}" in (capsys.readouterr().err)
