@@ -72,8 +72,10 @@ def run_view(
         if pk is None or bounds is None:
             return view
         steps = sample_steps(bounds[0], bounds[1], max_points)
+        # What the run has rollups of, cut to what the page draws; a run whose steps are
+        # all still being rolled up (a fresh live run) reads everything it has.
         names = [n for n in rollups.metric_names(conn, pk) if n.startswith(DRAWN)]
-        got = rollups.read(conn, pk, names, steps_in=steps)
+        got = rollups.read(conn, pk, names or None, steps_in=steps)
         memory = _memory(conn, pk, int(run["world_size"]), bounds[1])
     view.last_step = bounds[1]
     view.steps = sorted(got.get("step_time_s", {}))

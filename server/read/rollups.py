@@ -241,7 +241,7 @@ def read(
             r.max_rank]  # fmt: skip
     if extra:
         cols.append(r.extra)
-    for row in conn.execute(select(*cols).where(*conds).order_by(r.metric, r.step)).tuples():
+    for row in conn.execute(select(*cols).where(*conds).order_by(r.metric, r.step)):
         metric, step, n, lo, p10, p50, p90, hi, mean, lo_rank, hi_rank = row[:11]
         more = (row[11] or {}) if extra else {}
         out[metric][int(step)] = Stats(n, lo, p10, p50, p90, hi, mean, lo_rank, hi_rank, more)

@@ -50,7 +50,11 @@ ACTIVATE = re.compile(r"^(?:\.|source) \S*\.venv/bin/activate$")
 COMMAND = re.compile(r"^(?:[A-Z_]+=\S+ +)*(?:zerowatch|torchrun|make) \S")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 #: A stand-in for the user's training script in the README's torchrun lines.
-TRAIN_PY = 'import os\nprint("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"])\n'
+# One write(2) per line: the ranks share the pipe, and print() may split a line in two.
+TRAIN_PY = (
+    "import os\n"
+    "os.write(1, f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}\\n\".encode())\n"
+)
 
 
 def readme_commands(text: str) -> list[str]:
