@@ -21,11 +21,13 @@ rows. PostgreSQL plans from the statistics its autovacuum keeps.
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 from alembic.config import Config
 from alembic.runtime.environment import EnvironmentContext
 from alembic.script import ScriptDirectory
@@ -37,11 +39,23 @@ from zerowatch.server.models import Base
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
 
+def _json_loads(text: str | bytes) -> Any:
+    """JSON columns back to Python: orjson (the compactor decodes several per rank-step), the
+    standard library for what orjson refuses (a NaN written by an older server)."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return json.loads(text)
+
+
 def make_engine(url: str) -> Engine:
     """A SQLAlchemy engine for `url`, tuned for its dialect (see the module docstring)."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
-        kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": 30}}
+        kwargs: dict[str, Any] = {
+            "connect_args": {"check_same_thread": False, "timeout": 30},
+            "json_deserializer": _json_loads,
+        }
         if parsed.database in (None, "", ":memory:"):
             kwargs["poolclass"] = StaticPool
         engine = create_engine(url, **kwargs)
@@ -58,7 +72,9 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+    return create_engine(
+        url, pool_size=10, max_overflow=20, pool_pre_ping=True, json_deserializer=_json_loads
+    )
 
 
 #: sqlite_stat1 rows (table, index, "rows rows-per-prefix...") for the big tables: a run

@@ -176,6 +176,8 @@ _PLAIN = ("step_time_s", "exposed_comm_s", "hidden_comm_s", *tuple(STEP_COLUMNS)
 
 
 def _num(v: Any) -> float | None:
+    if type(v) is float:  # the common case first: one type check
+        return v if math.isfinite(v) else None
     if v is None or isinstance(v, bool) or not isinstance(v, int | float):
         return None
     f = float(v)
