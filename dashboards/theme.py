@@ -1,5 +1,5 @@
 """The look shared by every zerowatch chart: colours per phase / op / kind, the layout
-template, unit formatting, and the escaping of data shown inside a chart.
+template, unit formatting (zerowatch.units), and the escaping of data shown inside a chart.
 
 Plotly renders a small subset of HTML in titles, legends and hover labels (`<b>`, `<br>`,
 `<span style=...>`), and drops tags it does not know: a run named `<script>x</script>` would
@@ -14,6 +14,8 @@ import math
 from collections.abc import Iterable, Sequence
 
 import plotly.graph_objects as go
+
+from zerowatch.units import GB, GIB, fmt_bytes, fmt_rate, fmt_seconds
 
 # -- colours ------------------------------------------------------------------------------
 
@@ -108,45 +110,9 @@ def op_label(op: str) -> str:
     return text(op.replace("_", "-"))
 
 
-# -- units --------------------------------------------------------------------------------
-
-GIB = 2**30
-GB = 1e9
-
-
-def fmt_bytes(n: float | None) -> str:
-    """Bytes in binary units: 1.5 GiB, 300 MiB, 12 KiB."""
-    if n is None or not math.isfinite(n):
-        return "–"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
-        value /= 1024
-    return f"{value:.3g} TiB"  # pragma: no cover
-
-
-def fmt_seconds(s: float | None) -> str:
-    """A duration: 850 µs, 12.3 ms, 1.25 s, 3.2 min."""
-    if s is None or not math.isfinite(s):
-        return "–"
-    if s < 1e-3:
-        return f"{s * 1e6:.3g} µs"
-    if s < 1:
-        return f"{s * 1e3:.3g} ms"
-    if s < 120:
-        return f"{s:.3g} s"
-    return f"{s / 60:.3g} min"
-
-
-def fmt_rate(x: float | None, unit: str = "/s") -> str:
-    """A rate with a metric prefix: 1.23 k/s."""
-    if x is None or not math.isfinite(x):
-        return "–"
-    for prefix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(x) >= scale:
-            return f"{x / scale:.3g} {prefix}{unit}"
-    return f"{x:.3g} {unit}"
+# -- units ---------------------------------------------------------------------------------
+# One convention for the CLI, the pages and the charts: zerowatch.units (bytes binary, rates
+# decimal). Re-exported here because every figure builder reads its units through `th.`.
 
 
 def scaled(values: Iterable[float | None], factor: float) -> list[float | None]:

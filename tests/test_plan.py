@@ -13,12 +13,12 @@ from zerowatch import theory
 from zerowatch.cli import app
 from zerowatch.plan import (
     PlanError,
-    fmt_bytes,
     parse_bandwidth,
     parse_bytes,
     parse_count,
     plan,
 )
+from zerowatch.units import fmt_bytes
 
 GIB = 2**30
 GB = 10**9
@@ -39,7 +39,7 @@ def test_mixed_precision_adam_holds_16_bytes_per_parameter_under_ddp() -> None:
         "master_weights": 4 * psi,
     }
     assert row.model_state_bytes == 16 * psi == 1_120_000_000_000  # 1.12 TB per rank
-    assert fmt_bytes(row.model_state_bytes) == "1.12 TB"
+    assert fmt_bytes(row.model_state_bytes) == "1.02 TiB"  # printed in binary units
     assert not row.fits
 
 
@@ -242,7 +242,7 @@ def test_cli_plan_recommends_zero3_with_cpu_offload_for_70b_on_8x80gib() -> None
     )
     assert result.exit_code == 0, result.output
     assert "Recommended: stage 3, optimizer offload to CPU" in result.output
-    assert "1.12 TB" in result.output  # the DDP row
+    assert "1.02 TiB" in result.output  # the DDP row: 1.12e12 bytes
     for stage in "0123":
         assert f"\n  {stage} " in result.output
 

@@ -10,7 +10,8 @@
    against the ZeRO theory, bytes communicated per step) and the dashboard addresses.
 
 Everything here talks to the server over HTTP and to training through subprocesses, so this
-module imports neither torch nor the server.
+module imports neither torch nor the server (of zerowatch, only the formatters of
+zerowatch.units).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from zerowatch.units import fmt_bytes
 
 console = Console()
 
@@ -209,16 +212,6 @@ def _stored_steps(client: httpx.Client, sr: StageRun) -> int:
     return min((r.get("steps", 0) for r in ranks), default=0)
 
 
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def _summary_table(compare: dict[str, Any], runs: list[StageRun]) -> Table:
     table = Table(title="zerowatch demo: one model, several ZeRO stages")
     for col in ("stage", "step time", "samples/s", "state/rank", "theory/rank", "ratio",
@@ -237,10 +230,10 @@ def _summary_table(compare: dict[str, Any], runs: list[StageRun]) -> Table:
             str(sr.stage),
             f"{st * 1000:.1f} ms" if st else "-",
             f"{sps:.1f}" if sps else "-",
-            _fmt_bytes(measured),
-            _fmt_bytes(theory),
+            fmt_bytes(measured),
+            fmt_bytes(theory),
             ratio,
-            _fmt_bytes(sum(comm.values()) if comm else None),
+            fmt_bytes(sum(comm.values()) if comm else None),
         )
     return table
 

@@ -24,8 +24,9 @@ The recommendation is the cheapest configuration that fits: without offload befo
 3Ψ). `plan()` returns plain data (`to_dict()` for JSON and the /plan page);
 `plan_from_cli()` parses the `zerowatch plan` options and renders a table or JSON.
 
-Standard library, zerowatch.theory and zerowatch.config only (rich, a core dependency, is
-imported when a table is rendered).
+Standard library, zerowatch.theory, zerowatch.config and zerowatch.units only (rich, a core
+dependency, is imported when a table is rendered). Bytes print in binary units, as on the
+/plan page (zerowatch.units says why).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import Any
 
 from zerowatch import theory
 from zerowatch.config import ConfigError, ZeroWatchConfig, load_config, read_config_source
+from zerowatch.units import fmt_bytes, fmt_count, fmt_seconds
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 OFFLOAD_CHOICES = ("none", "cpu", "both")
@@ -440,32 +442,6 @@ def plan_from_cli(
 # ---- rendering -----------------------------------------------------------------------------
 
 
-def fmt_bytes(n: float, zero: str = "0 B") -> str:
-    """Decimal units, as the ZeRO paper counts: 1.12 TB, 31.4 GB."""
-    if n == 0:
-        return zero
-    sign, n = ("-" if n < 0 else ""), abs(n)
-    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            v = n / scale
-            return f"{sign}{v:.3g} {unit}" if v < 100 else f"{sign}{v:.0f} {unit}"
-    return f"{sign}{n:.0f} B"
-
-
-def fmt_count(n: float) -> str:
-    """70B, 1.5T, 350M, 2K: counts with decimal suffixes."""
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return f"{n:g}"
-
-
-def fmt_seconds(s: float | None) -> str:
-    if s is None:
-        return "-"
-    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
-
-
 def _describe(row: PlanRow) -> str:
     where = {"none": "no offload", "optimizer": "optimizer offload to CPU",
              "optimizer+params": "optimizer and parameter offload to CPU",
@@ -498,7 +474,7 @@ def render_table(result: PlanResult) -> str:
         f"{fmt_bytes(i.gpu_memory_bytes)} on {i.nodes} node(s)"
     )
     table = Table(
-        title=title, box=box.SIMPLE_HEAD, caption="per rank, per optimizer step; 1 GB = 10^9 bytes"
+        title=title, box=box.SIMPLE_HEAD, caption="per rank, per optimizer step; 1 GiB = 2^30 bytes"
     )
     for name in ("stage", "offload", "params", "grads", "optim", "master", "buffers",
                  "GPU/rank", "fits", "host/node", "sent/step", "comm time"):  # fmt: skip
@@ -564,8 +540,6 @@ __all__ = [
     "PlanInputs",
     "PlanResult",
     "PlanRow",
-    "fmt_bytes",
-    "fmt_count",
     "parse_bandwidth",
     "parse_bytes",
     "parse_count",

@@ -121,3 +121,35 @@ def test_pages_follow_the_read_token_rule(tmp_path):
     open_reads = dataclasses.replace(settings, read_requires_token=False)
     with TestClient(create_app(open_reads)) as c:
         assert c.get("/").status_code == 200
+
+
+@pytest.mark.parametrize("params", [
+    {"params": "70e9", "gpus": "8", "gpu_memory": "80GiB", "bandwidth": "100GB/s"},
+    {"params": "7B", "gpus": "4", "gpu_memory": "24GB", "offload": "none"},
+    {"params": "350M", "gpus": "64", "nodes": "8", "gpu_memory": "16GiB", "precision": "fp16"},
+])  # fmt: skip
+def test_plan_page_prints_the_figures_zerowatch_plan_prints(client, params):
+    """The same plan through `zerowatch plan` and /plan: every option's device bytes, bytes
+    sent and comm time are the same strings (one formatter, binary bytes)."""
+    from typer.testing import CliRunner
+
+    from zerowatch.cli import app as cli
+
+    args = [a for k, v in params.items() for a in (f"--{k.replace('_', '-')}", v)]
+    out = CliRunner().invoke(cli, ["plan", *args])
+    assert out.exit_code == 0, out.output
+    lines = [ln for ln in out.output.splitlines() if re.match(r"\s+\d \s", ln)]
+    page = client.get("/plan", params=params)
+    assert page.status_code == 200
+    body = page.text.split('id="plan-table"', 1)[1].split("</table>", 1)[0]
+    rows = re.findall(r"<tr class=\"(?:fits|nofit)\">(.*?)</tr>", body, re.S)
+    assert rows and len(rows) == len(lines)
+    for line, row in zip(lines, rows, strict=True):
+        cells = [c.strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
+        device, sent = cells[1], cells[3]
+        assert "iB" in device  # binary units on both sides
+        cli_cells = re.split(r"\s{2,}", line.strip())
+        assert device in cli_cells, (device, line)
+        assert (sent if sent != "0 B" else "-") in cli_cells, (sent, line)
+        if "bandwidth" in params:
+            assert cells[4] in cli_cells, (cells[4], line)
