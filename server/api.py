@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
@@ -45,30 +45,45 @@ StepBound = Annotated[int | None, Query(ge=0, le=INT63)]
 T = TypeVar("T")
 
 
+# -- the answers every route shares: 404 for an unknown run, 422 naming what was refused ------
+
+
+def _not_found(run_id: str) -> HTTPException:
+    return HTTPException(404, f"run {run_id!r} not found")
+
+
+def _unprocessable(loc: Sequence[str | int], msg: str) -> HTTPException:
+    """A 422 in FastAPI's own validation shape, naming where the input was refused."""
+    return HTTPException(422, [{"type": "value_error", "loc": list(loc), "msg": msg}])
+
+
 def _found(out: T | None, run_id: str) -> T:
     """`out`, or a 404 naming the run when the read found no such run."""
     if out is None:
-        raise HTTPException(404, f"run {run_id!r} not found")
+        raise _not_found(run_id)
     return out
 
 
 @contextlib.contextmanager
-def _query_errors(loc: str = "metric") -> Iterator[None]:
-    """Turn a read's complaint about its query into a 422 naming the parameter."""
+def _refused(loc: str = "metric") -> Iterator[None]:
+    """Turn a refused input into a 422 naming it: a read's query parameter (`loc` for an
+    unknown metric, `ranks` for a bad selection) or a stored body's field."""
     try:
         yield
     except read.UnknownMetric as e:
-        raise HTTPException(
-            422, [{"type": "value_error", "loc": ["query", loc], "msg": str(e)}]
-        ) from None
+        raise _unprocessable(["query", loc], str(e)) from None
     except read.BadSelection as e:
-        raise HTTPException(
-            422, [{"type": "value_error", "loc": ["query", "ranks"], "msg": str(e)}]
-        ) from None
+        raise _unprocessable(["query", "ranks"], str(e)) from None
+    except store.BatchError as e:
+        raise _unprocessable(e.loc, e.msg) from None
 
 
-def _unprocessable(e: store.BatchError) -> HTTPException:
-    return HTTPException(422, [{"type": "value_error", "loc": list(e.loc), "msg": e.msg}])
+def _of_run(read_fn: Callable[..., T | None], run_id: str, **kwargs: Any) -> T:
+    """`read_fn(run_id=run_id, **kwargs)`: a 404 when there is no such run, a 422 naming
+    the query parameter the read refused."""
+    with _refused():
+        out = read_fn(run_id=run_id, **kwargs)
+    return _found(out, run_id)
 
 
 # -- runs ---------------------------------------------------------------------------------
@@ -79,19 +94,12 @@ def create_run(
     run: ev.RunCreate, response: Response, db: DbDep, settings: SettingsDep
 ) -> dict[str, Any]:
     """Create a run (idempotent on run_id: 201 when new, 200 when it exists)."""
-    try:
+    with _refused():
         _, created = store.create_run(db, run=run)
-    except store.BatchError as e:
-        raise _unprocessable(e) from None
     if not created:
         response.status_code = 200
-    out = read.get_run(
-        db=db,
-        run_id=run.run_id,
-        stalled_after_s=settings.stalled_after_s,
-        recent_steps=settings.recent_steps,
-    )
-    return _found(out, run.run_id)
+    return _of_run(read.get_run, run.run_id, db=db, stalled_after_s=settings.stalled_after_s,
+                   recent_steps=settings.recent_steps)  # fmt: skip
 
 
 @router.get("/runs", dependencies=Read, tags=["runs"])
@@ -119,13 +127,8 @@ def list_runs(
 @router.get("/runs/{run_id}", dependencies=Read, tags=["runs"])
 def get_run(run_id: RunId, db: DbDep, settings: SettingsDep) -> dict[str, Any]:
     """One run: its config, status, rank summary and recent performance."""
-    out = read.get_run(
-        db=db,
-        run_id=run_id,
-        stalled_after_s=settings.stalled_after_s,
-        recent_steps=settings.recent_steps,
-    )
-    return _found(out, run_id)
+    return _of_run(read.get_run, run_id, db=db, stalled_after_s=settings.stalled_after_s,
+                   recent_steps=settings.recent_steps)  # fmt: skip
 
 
 @router.get("/runs/{run_id}/ranks", dependencies=Read, tags=["runs"])
@@ -138,23 +141,21 @@ def ranks(
     limit: Annotated[int, Query(ge=1, le=100000)] = 1000,
 ) -> dict[str, Any]:
     """A run's ranks: host, local rank, progress and how each ended."""
-    out = read.ranks_of(
-        db=db, run_id=run_id, host=host, rank_from=rank_from, rank_to=rank_to, limit=limit
-    )
-    return _found(out, run_id)
+    return _of_run(read.ranks_of, run_id, db=db, host=host, rank_from=rank_from,
+                   rank_to=rank_to, limit=limit)  # fmt: skip
 
 
 @router.get("/runs/{run_id}/hosts", dependencies=Read, tags=["runs"])
 def hosts(run_id: RunId, db: DbDep) -> dict[str, Any]:
     """A run's hosts and the ranks on each."""
-    return _found(read.hosts_of(db=db, run_id=run_id), run_id)
+    return _of_run(read.hosts_of, run_id, db=db)
 
 
 @router.delete("/runs/{run_id}", dependencies=Write, tags=["runs"])
 def delete_run(run_id: RunId, db: DbDep) -> dict[str, Any]:
     """Delete a run and everything stored for it."""
     if not store.delete_run(db, run_id=run_id):
-        raise HTTPException(404, f"run {run_id!r} not found")
+        raise _not_found(run_id)
     return {"deleted": run_id}
 
 
@@ -179,12 +180,9 @@ class IngestAnswer:
 async def ingest(run_id: RunId, batch: ev.EventBatch, request: Request) -> JSONResponse:
     """Store a batch of events (gzip allowed); idempotent on (run, rank, seq)."""
     # The hot path: the batch joins the writer thread's next group; the loop awaits it.
-    try:
+    with _refused():
         result = await request.app.state.ingestor.submit_async(run_id=run_id, batch=batch)
-    except store.BatchError as e:
-        raise _unprocessable(e) from None
-    _found(result, run_id)
-    assert result is not None
+    result = _found(result, run_id)
     return JSONResponse({"accepted": result.accepted, "duplicates": result.duplicates})
 
 
@@ -194,7 +192,7 @@ async def ingest(run_id: RunId, batch: ev.EventBatch, request: Request) -> JSONR
 @router.get("/runs/{run_id}/metrics-catalog", dependencies=Read, tags=["series"])
 def metrics_catalog(run_id: RunId, db: DbDep) -> dict[str, Any]:
     """The metric names stored for a run, with their units."""
-    return _found(read.metrics_catalog(db=db, run_id=run_id), run_id)
+    return _of_run(read.metrics_catalog, run_id, db=db)
 
 
 @router.get("/runs/{run_id}/series", dependencies=Read, tags=["series"])
@@ -218,18 +216,10 @@ def series(
     step_to: StepBound = None,
 ) -> dict[str, Any]:
     """One quantity over steps: rank statistics (default) or the selected ranks' series."""
-    with _query_errors():
+    with _refused():
         selection = read.Selection.parse(rank=rank, ranks=ranks, host=host, top=top)
-        out = series_read.series(
-            db=db,
-            run_id=run_id,
-            metric=metric,
-            selection=selection,
-            max_points=max_points,
-            step_from=step_from,
-            step_to=step_to,
-        )
-    return _found(out, run_id)
+    return _of_run(series_read.series, run_id, db=db, metric=metric, selection=selection,
+                   max_points=max_points, step_from=step_from, step_to=step_to)  # fmt: skip
 
 
 @router.get("/runs/{run_id}/outliers", dependencies=Read, tags=["series"])
@@ -242,11 +232,8 @@ def outliers(
     step_to: StepBound = None,
 ) -> dict[str, Any]:
     """The K ranks that stand out in a metric over a range of steps, with their hosts."""
-    with _query_errors():
-        out = series_read.outliers_of(
-            db=db, run_id=run_id, metric=metric, k=k, step_from=step_from, step_to=step_to
-        )
-    return _found(out, run_id)
+    return _of_run(series_read.outliers_of, run_id, db=db, metric=metric, k=k,
+                   step_from=step_from, step_to=step_to)  # fmt: skip
 
 
 @router.get("/runs/{run_id}/breakdown", dependencies=Read, tags=["series"])
@@ -254,8 +241,7 @@ def breakdown(
     run_id: RunId, db: DbDep, rank: Rank = None, max_points: MaxPoints = 500
 ) -> dict[str, Any]:
     """Step time per step: exclusive parts (they add up), phases, exposed and hidden comm."""
-    out = read.step_breakdown(db=db, run_id=run_id, rank=rank, max_points=max_points)
-    return _found(out, run_id)
+    return _of_run(read.step_breakdown, run_id, db=db, rank=rank, max_points=max_points)
 
 
 @router.get("/runs/{run_id}/heatmap", dependencies=Read, tags=["series"])
@@ -267,10 +253,8 @@ def heatmap(
     agg: Annotated[str, Query(pattern="^(max|median)$")] = "max",
 ) -> dict[str, Any]:
     """A metric per rank, or per block of ranks for a wide run, over the newest steps."""
-    with _query_errors():
-        out = read.rank_heatmap(db=db, run_id=run_id, metric=metric, max_steps=max_steps,
-                                agg=agg)  # fmt: skip
-    return _found(out, run_id)
+    return _of_run(read.rank_heatmap, run_id, db=db, metric=metric, max_steps=max_steps,
+                   agg=agg)  # fmt: skip
 
 
 @router.get("/compare", dependencies=Read, tags=["series"])
@@ -289,10 +273,8 @@ def compare(
     run_ids = [r.strip() for r in runs.split(",") if r.strip()]
     metric_names = [x.strip() for x in (metrics or "").split(",") if x.strip()]
     if not run_ids:
-        raise HTTPException(
-            422, [{"type": "value_error", "loc": ["query", "runs"], "msg": "name at least one run"}]
-        )
-    with _query_errors("metrics"):
+        raise _unprocessable(["query", "runs"], "name at least one run")
+    with _refused("metrics"):
         return compare_read.compare(db=db, run_ids=run_ids, metrics=metric_names, window=window)
 
 
@@ -312,12 +294,8 @@ def trace(
         a, b = steps.split(":")
         lo = int(a) if a else None
         hi = int(b) if b else None
-    out = _found(
-        trace_read.trace(
-            db=db, run_id=run_id, step_from=lo, step_to=hi, max_steps=settings.max_trace_steps
-        ),
-        run_id,
-    )
+    out = _of_run(trace_read.trace, run_id, db=db, step_from=lo, step_to=hi,
+                  max_steps=settings.max_trace_steps)  # fmt: skip
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)[:60]
     return JSONResponse(
         out, headers={"Content-Disposition": f'inline; filename="zerowatch-{safe}.trace.json"'}

@@ -20,24 +20,16 @@ timestamps.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, get_args
 
 SCHEMA_VERSION: Final = 1
 
 # -- vocabulary -------------------------------------------------------------------------
 
 #: Phases of one training step, announced by the engine (or an adapter). The whole step is
-#: `step`; the others may nest or overlap (grad_reduce runs inside backward under
-#: overlap_comm), so they do not have to add up to the step.
-PHASES: Final = (
-    "forward",
-    "backward",
-    "grad_reduce",
-    "param_gather",
-    "optimizer_step",
-    "offload_d2h",
-    "offload_h2d",
-)
+#: `step` (engine/phases.py adds it); the others may nest or overlap (grad_reduce runs inside
+#: backward under overlap_comm), so they do not have to add up to the step. Written once, as
+#: the type; PHASES is the same names as a tuple, in the order charts draw them.
 Phase = Literal[
     "forward",
     "backward",
@@ -47,6 +39,7 @@ Phase = Literal[
     "offload_d2h",
     "offload_h2d",
 ]
+PHASES: Final[tuple[Phase, ...]] = get_args(Phase)
 
 #: How zerowatch phases map onto DeepSpeed's `wall_clock_breakdown` timer names.
 DEEPSPEED_TIMER_NAMES: Final = {
@@ -70,14 +63,14 @@ STEP_PARTS: Final = (
     "other",
 )
 
-COLLECTIVE_OPS: Final = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 CollectiveOp = Literal["all_gather", "reduce_scatter", "all_reduce", "broadcast"]
+COLLECTIVE_OPS: Final[tuple[CollectiveOp, ...]] = get_args(CollectiveOp)
 
 #: Why a collective ran: parameter fetch (stage 3 gathers in forward/backward), gradient
 #: reduction, the all-gather of updated parameter shards after the optimizer (stages 1-2),
 #: or anything else (checkpointing, grad-norm, loss-scale agreement).
-PURPOSES: Final = ("param_fetch", "grad_reduce", "optimizer_gather", "other")
 Purpose = Literal["param_fetch", "grad_reduce", "optimizer_gather", "other"]
+PURPOSES: Final[tuple[Purpose, ...]] = get_args(Purpose)
 
 #: Upper bounds (seconds) of the fixed latency histogram buckets: sub-millisecond to
 #: multi-second collectives. The last bucket (+Inf) is implicit: `buckets` in
@@ -177,6 +170,39 @@ class CollectiveStats:
     busbw_bytes_per_s: float = 0.0
     #: Calls issued asynchronously (overlapped with compute).
     async_count: int = 0
+
+    @classmethod
+    def of_calls(
+        cls,
+        op: str,
+        purpose: str,
+        *,
+        world_size: int,
+        count: int,
+        nbytes: int,
+        latency_sum_s: float,
+        latency_max_s: float,
+        buckets: list[int],
+        async_count: int = 0,
+    ) -> CollectiveStats:
+        """The stats of `count` calls of one (op, purpose), their bandwidths by nccl-tests'
+        definitions: algbw = bytes / summed latency (0 when no time was measured), busbw =
+        algbw * bus_bandwidth_factor(op, world_size). The one place a step's collective
+        record is built (the agent's aggregator, the simulator)."""
+        algbw = nbytes / latency_sum_s if latency_sum_s > 0 else 0.0
+        return cls(
+            op=op,  # type: ignore[arg-type]
+            purpose=purpose,  # type: ignore[arg-type]
+            count=count,
+            bytes=nbytes,
+            latency_sum_s=latency_sum_s,
+            latency_max_s=latency_max_s,
+            buckets=list(buckets),
+            world_size=world_size,
+            algbw_bytes_per_s=algbw,
+            busbw_bytes_per_s=algbw * bus_bandwidth_factor(op, world_size),
+            async_count=async_count,
+        )
 
 
 @dataclass

@@ -102,22 +102,13 @@ def _collectives(spec: SimSpec, rng: random.Random, scale: float) -> list[ev.Col
             buckets[ev.bucket_index(lat)] += 1
             lat_sum += lat
             lat_max = max(lat_max, lat)
-        algbw = nbytes / lat_sum
         out.append(
-            ev.CollectiveStats(
-                op=op,  # type: ignore[arg-type]
-                purpose=purpose[op],  # type: ignore[arg-type]
-                count=count,
-                bytes=nbytes,
-                latency_sum_s=lat_sum,
-                latency_max_s=lat_max,
-                buckets=buckets,
-                world_size=spec.world_size,
-                algbw_bytes_per_s=algbw,
-                busbw_bytes_per_s=algbw * ev.bus_bandwidth_factor(op, spec.world_size),
+            ev.CollectiveStats.of_calls(
+                op, purpose[op], world_size=spec.world_size, count=count, nbytes=nbytes,
+                latency_sum_s=lat_sum, latency_max_s=lat_max, buckets=buckets,
                 async_count=count // 2,
             )
-        )
+        )  # fmt: skip
     return out
 
 

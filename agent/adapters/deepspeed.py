@@ -43,9 +43,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from zerowatch.agent.adapters import dist_wrap
 from zerowatch.agent.adapters.base import JobInfo, StepStats
-from zerowatch.agent.adapters.foreign import PhaseBoard, TensorCensus, optimizer_state_tensors
+from zerowatch.agent.adapters.foreign import (
+    ForeignAdapter,
+    TensorCensus,
+    optimizer_state_tensors,
+)
 from zerowatch.agent.adapters.zerowatch_engine import _finite_or_none
 
 from zerowatch import theory
@@ -70,15 +73,14 @@ def _offload_device(value: Any) -> str:
     return "cpu" if name == "cpu" else "none"
 
 
-class DeepSpeedAdapter:
+class DeepSpeedAdapter(ForeignAdapter):
     """deepspeed.DeepSpeedEngine -> EngineAdapter."""
 
     name = "deepspeed"
 
     def __init__(self, engine: Any) -> None:
+        super().__init__()
         self.engine = engine
-        self.board = PhaseBoard()
-        self._handles: list[Any] = []
         self._wrapped: dict[str, Callable[..., Any]] = {}
         self._skipped_before = 0
 
@@ -155,14 +157,6 @@ class DeepSpeedAdapter:
         )
 
     # -- hooks -----------------------------------------------------------------------------
-
-    def attach(self, observer: Any) -> None:
-        if self.board.add(observer):
-            self._install()
-
-    def detach(self, observer: Any) -> None:
-        if self.board.remove(observer):
-            self._uninstall()
 
     def _install(self) -> None:
         import torch
@@ -246,9 +240,7 @@ class DeepSpeedAdapter:
         self._wrapped[method] = wrapper
 
     def _uninstall(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._remove_handles()
         for method, wrapper in self._wrapped.items():
             if self.engine.__dict__.get(method) is wrapper:
                 del self.engine.__dict__[method]
@@ -317,14 +309,6 @@ class DeepSpeedAdapter:
             lr=lr,
             nonfinite=raw is not None and norm is None,
         )
-
-    # -- start-up collectives --------------------------------------------------------------
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return dist_wrap.broadcast_object(obj, src=src)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return dist_wrap.all_gather_object(obj)
 
     def torch_device(self) -> Any:
         import torch

@@ -1,4 +1,9 @@
-"""What the DeepSpeed and FSDP2 adapters share: a phase board and a tensor census.
+"""What the DeepSpeed and FSDP2 adapters share: a base class, a phase board and a tensor
+census.
+
+`ForeignAdapter` is their common part: a `PhaseBoard` whose first observer installs the
+adapter's hooks on the foreign engine and whose last takes them off again, and the two
+start-up object collectives, run through dist_wrap on the job's default process group.
 
 `PhaseBoard` is the foreign engine's stand-in for engine/phases.py: the adapter's hooks
 call `start(phase)` / `end(phase)`, the board tells the attached observers (in the shapes
@@ -26,6 +31,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from zerowatch.agent.adapters import dist_wrap
 from zerowatch.agent.adapters.dist_wrap import CollectiveTap
 
 from zerowatch.engine.hooks import CollectiveRecord, ObserverRegistry
@@ -113,6 +119,45 @@ class PhaseBoard:
         return "other"
 
 
+class ForeignAdapter:
+    """The shared part of the adapters of engines that know nothing of zerowatch: hooks on
+    while an observer is attached, start-up collectives through dist_wrap. Subclasses
+    install and remove their hooks in `_install` / `_uninstall`."""
+
+    board: PhaseBoard
+    #: The removable handles of the hooks `_install` registered.
+    _handles: list[Any]
+
+    def __init__(self) -> None:
+        self.board = PhaseBoard()
+        self._handles = []
+
+    def attach(self, observer: Any) -> None:
+        if self.board.add(observer):
+            self._install()
+
+    def detach(self, observer: Any) -> None:
+        if self.board.remove(observer):
+            self._uninstall()
+
+    def _install(self) -> None:
+        raise NotImplementedError
+
+    def _uninstall(self) -> None:
+        raise NotImplementedError
+
+    def _remove_handles(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return dist_wrap.broadcast_object(obj, src=src)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return dist_wrap.all_gather_object(obj)
+
+
 class TensorCensus:
     """Bytes per kind of the tensors found, each storage counted once (first kind wins)."""
 
@@ -182,4 +227,4 @@ def host_kinds(measured: dict[str, int], kinds: Iterable[str]) -> dict[str, int]
     return {(f"host_{k}" if k in kinds else k): v for k, v in measured.items()}
 
 
-__all__ = ["PhaseBoard", "TensorCensus", "host_kinds", "optimizer_state_tensors"]
+__all__ = ["ForeignAdapter", "PhaseBoard", "TensorCensus", "host_kinds", "optimizer_state_tensors"]

@@ -43,9 +43,13 @@ import sys
 import warnings
 from typing import Any
 
-from zerowatch.agent.adapters import clip_watch, dist_wrap
+from zerowatch.agent.adapters import clip_watch
 from zerowatch.agent.adapters.base import JobInfo, StepStats
-from zerowatch.agent.adapters.foreign import PhaseBoard, TensorCensus, optimizer_state_tensors
+from zerowatch.agent.adapters.foreign import (
+    ForeignAdapter,
+    TensorCensus,
+    optimizer_state_tensors,
+)
 from zerowatch.agent.adapters.zerowatch_engine import _finite_or_none
 
 from zerowatch import theory
@@ -80,7 +84,7 @@ def _group(optimizer: Any) -> Any:
     return getattr(optimizer, "param_groups", None)
 
 
-class FSDP2Adapter:
+class FSDP2Adapter(ForeignAdapter):
     """An FSDP2 root module (+ its optimizer) -> EngineAdapter.
 
     Args:
@@ -99,10 +103,9 @@ class FSDP2Adapter:
                 "optimizer: zerowatch.instrument(fsdp_model, optimizer=opt) needs the "
                 f"torch optimizer that steps the model, got {type(optimizer).__name__}"
             )
+        super().__init__()
         self.model = model
         self.optimizer = optimizer
-        self.board = PhaseBoard()
-        self._handles: list[Any] = []
         self._in_backward = False
         self._end_queued = False
         #: (total norm, max_norm) of the last clip_grad_norm_ call in the current step.
@@ -208,19 +211,12 @@ class FSDP2Adapter:
 
     # -- hooks -----------------------------------------------------------------------------
 
-    def attach(self, observer: Any) -> None:
-        if self.board.add(observer):
-            self._install()
-
-    def detach(self, observer: Any) -> None:
-        if self.board.remove(observer):
-            for handle in self._handles:
-                handle.remove()
-            self._handles = []
-            clip_watch.unwatch(self._on_clip)
-            self._unquiet()
-            self._in_backward = self._end_queued = False
-            self._clip = None
+    def _uninstall(self) -> None:
+        self._remove_handles()
+        clip_watch.unwatch(self._on_clip)
+        self._unquiet()
+        self._in_backward = self._end_queued = False
+        self._clip = None
 
     def _on_clip(self, total_norm: Any, max_norm: Any) -> None:
         """A clip_grad_norm_ call: kept when made inside the step, before the optimizer
@@ -330,14 +326,6 @@ class FSDP2Adapter:
             lr=lr,
             nonfinite=raw is not None and norm is None,
         )
-
-    # -- start-up collectives --------------------------------------------------------------
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return dist_wrap.broadcast_object(obj, src=src)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return dist_wrap.all_gather_object(obj)
 
     def torch_device(self) -> Any:
         import torch

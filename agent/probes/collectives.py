@@ -72,25 +72,14 @@ class CollectiveWindow:
             latency = float(start.elapsed_time(end)) / 1e3
             _add(self.aggs, rec.op, rec.purpose, rec.nbytes, rec.world_size, latency, rec.async_op)
         self.pending_cuda = []
-        out = []
-        for (op, purpose), a in sorted(self.aggs.items()):
-            algbw = a.nbytes / a.lat_sum if a.lat_sum > 0 else 0.0
-            out.append(
-                ev.CollectiveStats(
-                    op=op,  # type: ignore[arg-type]
-                    purpose=purpose,  # type: ignore[arg-type]
-                    count=a.count,
-                    bytes=a.nbytes,
-                    latency_sum_s=a.lat_sum,
-                    latency_max_s=a.lat_max,
-                    buckets=list(a.buckets),
-                    world_size=a.world,
-                    algbw_bytes_per_s=algbw,
-                    busbw_bytes_per_s=algbw * ev.bus_bandwidth_factor(op, a.world),
-                    async_count=a.async_count,
-                )
+        return [
+            ev.CollectiveStats.of_calls(
+                op, purpose, world_size=a.world, count=a.count, nbytes=a.nbytes,
+                latency_sum_s=a.lat_sum, latency_max_s=a.lat_max, buckets=a.buckets,
+                async_count=a.async_count,
             )
-        return out
+            for (op, purpose), a in sorted(self.aggs.items())
+        ]  # fmt: skip
 
 
 def _add(

@@ -19,10 +19,11 @@ from contextlib import contextmanager
 
 from torch.profiler import record_function
 
+from zerowatch import events as ev
 from zerowatch.engine.hooks import ObserverRegistry
 
-PHASES = ("forward", "backward", "grad_reduce", "param_gather", "optimizer_step",
-          "offload_d2h", "offload_h2d", "step")  # fmt: skip
+#: What this module announces: the wire vocabulary's phases, and `step` around them all.
+PHASES: tuple[str, ...] = (*ev.PHASES, "step")
 
 
 class Phases:
