@@ -10,7 +10,9 @@ Life of a step on one rank:
    *draft* is kept open: `run.log(loss=...)` called right after `engine.step()` still lands
    on this step.
 4. The draft becomes a StepEvent — phases with the `other` gap, so that forward + backward
-   + optimizer_step + other = step time; collective stats; exposed communication; offload;
+   + optimizer_step + other = step time; the exclusive parts (each instant of the step in
+   the innermost phase running then: they add up to the step time) and the communication
+   compute hid beside them; collective stats; exposed communication; offload;
    memory; throughput and MFU; user scalars; raw spans on sampled steps — and is handed to
    the shipper. On CUDA that waits until the step's CUDA events have completed (a step
    later); nothing here ever synchronizes the device.
@@ -302,6 +304,11 @@ class StepRecorder:
         stats = d.stats
         nonfinite = stats.nonfinite or user.loss_nonfinite
         start_unix = clock.host_time(d.start) + self._unix_offset
+        collectives = d.collectives.stats()
+        exposed = d.collectives.exposed_s
+        # What the collectives took beyond what the training thread waited for them ran
+        # under compute: reported beside the parts, never in their sum.
+        hidden = max(sum(c.latency_sum_s for c in collectives) - exposed, 0.0)
         return ev.StepEvent(
             rank=job.rank,
             seq=self._next_seq(),
@@ -309,8 +316,10 @@ class StepRecorder:
             time=clock.host_time(d.end) + self._unix_offset,
             step_time_s=step_time,
             phases=phases,
-            collectives=d.collectives.stats(),
-            exposed_comm_s=d.collectives.exposed_s,
+            collectives=collectives,
+            exposed_comm_s=exposed,
+            parts=d.phases.parts(d.start, step_time),
+            hidden_comm_s=hidden,
             offload=d.offload,
             memory=d.memory,
             grad_norm=None if nonfinite else stats.grad_norm,

@@ -9,6 +9,13 @@ submodule) is summed; a phase nested in itself is counted once (the outer interv
 DeepSpeed's `wall_clock_breakdown` names map onto these: fwd = forward, bwd = backward,
 bwd_allreduce = grad_reduce, step = optimizer_step, and bwd_inner = `backward_inner`, the
 backward time outside gradient reduction.
+
+Phases nest, so they cannot be stacked. `PhaseWindow.parts` cuts the step instead into
+`events.STEP_PARTS`, parts that never overlap and add up to the step: every instant of the
+step goes to the innermost phase running then (an offload copy before a gradient reduce,
+that before a parameter gather, that before forward / backward / optimizer step), and an
+instant in no phase to `other`. So `forward_compute` is the forward's self time, and the
+time the training thread spent blocked in a gather is `exposed_param_gather`, counted once.
 """
 
 from __future__ import annotations
@@ -18,8 +25,62 @@ from typing import Any
 
 from zerowatch.agent.probes.clock import Clock
 
+from zerowatch.events import STEP_PARTS as _PARTS
+
 #: Phases that partition the step (with `other`).
 TOP_LEVEL = ("forward", "backward", "optimizer_step")
+
+#: Phase -> (exclusive part, priority): where phases nest, the higher priority (the inner
+#: one) owns the time. The top-level phases never overlap one another.
+_PART_OF = {
+    "forward": ("forward_compute", 1),
+    "backward": ("backward_compute", 2),
+    "optimizer_step": ("optimizer_step", 3),
+    "param_gather": ("exposed_param_gather", 4),
+    "grad_reduce": ("exposed_grad_reduce", 5),
+    "offload_d2h": ("exposed_offload", 6),
+    "offload_h2d": ("exposed_offload", 6),
+}
+_BY_PRIORITY = ["other", *(part for part, _ in sorted(set(_PART_OF.values()), key=lambda x: x[1]))]
+_TOP_DOWN = range(len(_BY_PRIORITY) - 1, 0, -1)
+
+
+def exclusive_parts(intervals: list[tuple[str, float, float]], step_s: float) -> dict[str, float]:
+    """The step cut into STEP_PARTS (see the module docstring).
+
+    Args:
+        intervals: (phase, start, end) in seconds from the step's start; phases outside
+            `_PART_OF` are ignored, intervals are clipped to the step.
+        step_s: the step's length.
+
+    Returns:
+        {part: seconds} for every part in STEP_PARTS (0.0 where absent); the values add up
+        to `step_s` and none is negative.
+    """
+    # A sweep over the interval boundaries, keeping how many intervals of each priority
+    # are open; each elementary segment goes to the highest priority open (0: other).
+    edges: list[tuple[float, int, int]] = []
+    for phase, t0, t1 in intervals:
+        owner = _PART_OF.get(phase)
+        if owner is None:
+            continue
+        a, b = max(t0, 0.0), min(t1, step_s)
+        if b > a:
+            edges.append((a, 1, owner[1]))
+            edges.append((b, -1, owner[1]))
+    edges.sort()
+    out = dict.fromkeys(_PARTS, 0.0)
+    open_ = [0] * len(_BY_PRIORITY)
+    prev = 0.0
+    for t, delta, prio in edges:
+        if t > prev:
+            top = next((p for p in _TOP_DOWN if open_[p]), 0)
+            out[_BY_PRIORITY[top]] += t - prev
+            prev = t
+        open_[prio] += delta
+    if step_s > prev:
+        out["other"] += step_s - prev
+    return out
 
 
 @dataclass
@@ -45,6 +106,15 @@ class PhaseWindow:
         if "backward" in out:
             out["backward_inner"] = max(out["backward"] - reduce_in_backward, 0.0)
         return out
+
+    def parts(self, step_start: Any, step_s: float) -> dict[str, float]:
+        """The step's exclusive parts (`exclusive_parts`), `step_start` its clock mark."""
+        seconds = self.clock.seconds
+        return exclusive_parts(
+            [(phase, seconds(step_start, start), seconds(step_start, end))
+             for phase, start, end, _ in self.intervals],
+            step_s,
+        )  # fmt: skip
 
     def spans(self) -> list[tuple[str, float, float]]:
         """(phase, host start, host end) per interval, for the trace export."""
@@ -100,4 +170,4 @@ class PhaseTimer:
         self._open.clear()
 
 
-__all__ = ["TOP_LEVEL", "PhaseTimer", "PhaseWindow"]
+__all__ = ["TOP_LEVEL", "PhaseTimer", "PhaseWindow", "exclusive_parts"]

@@ -196,3 +196,24 @@ def test_server_down_from_the_start_then_upload_stores_every_step_once(job):
             assert r["dropped_events"] == 0 and r["agent_errors"] == 0
     again = upload_spool(job["spool_root"], server.url)
     assert again.ok and (again.accepted, again.duplicates) == (0, n_events)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_exclusive_parts_add_up_to_the_step_time(job, name):
+    exposed_comm = 0.0
+    for rank in range(WORLD):
+        for e in _steps(job, name, rank):
+            parts, p, step = e["parts"], e["phases"], e["step_time_s"]
+            assert set(parts) == set(ev.STEP_PARTS)
+            assert min(parts.values()) >= 0.0, parts
+            assert abs(sum(parts.values()) - step) <= max(0.01 * step, 2e-4), (parts, step)
+            # Each part is the self time of its phase: never more than the phase, and the
+            # gap outside every phase is the phases' `other`.
+            assert parts["forward_compute"] <= p["forward"] + 1e-9
+            assert parts["backward_compute"] <= p["backward"] + 1e-9
+            assert parts["exposed_param_gather"] <= p.get("param_gather", 0.0) + 1e-9
+            assert parts["exposed_grad_reduce"] <= p.get("grad_reduce", 0.0) + 1e-9
+            assert parts["other"] == pytest.approx(p["other"], abs=1e-6)
+            assert e["hidden_comm_s"] >= 0.0
+            exposed_comm += parts["exposed_param_gather"] + parts["exposed_grad_reduce"]
+    assert exposed_comm > 0.0  # every case communicates inside the step
