@@ -15,6 +15,7 @@ from zerowatch.server import read, store
 from zerowatch.server.body import BodyRoute
 from zerowatch.server.deps import DbDep, SettingsDep, require_read, require_write
 from zerowatch.server.read import compare as compare_read
+from zerowatch.server.read import doctor
 from zerowatch.server.read import series as series_read
 from zerowatch.server.read import trace as trace_read
 
@@ -255,6 +256,12 @@ def heatmap(
     """A metric per rank, or per block of ranks for a wide run, over the newest steps."""
     return _of_run(read.rank_heatmap, run_id, db=db, metric=metric, max_steps=max_steps,
                    agg=agg)  # fmt: skip
+
+
+@router.get("/runs/{run_id}/findings", dependencies=Read, tags=["doctor"])
+def findings(run_id: RunId, db: DbDep) -> dict[str, Any]:
+    """What is wrong with a run and what to change (the doctor), most severe first."""
+    return _found(doctor.findings(db=db, run_id=run_id), run_id)
 
 
 @router.get("/compare", dependencies=Read, tags=["series"])

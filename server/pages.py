@@ -29,6 +29,7 @@ from zerowatch.dashboards import theme as th
 from zerowatch.dashboards.data import RunView, Series
 from zerowatch.server import page_queries, read
 from zerowatch.server.deps import DbDep, SettingsDep, require_read
+from zerowatch.server.read import doctor
 
 from zerowatch import plan as planner
 
@@ -202,8 +203,13 @@ def _run_page(db: Any, settings: Any, run_id: str) -> HTMLResponse:
     figures = run_figs.figures(view)
     summary = _summary(view)
     run = view.run
+    found = doctor.findings(db=db, run_id=run_id)
     return _page(
         "run.html",
+        findings=[
+            {**f, "anchor": f"chart-{f['chart']}" if f["chart"] in figures else None}
+            for f in (found or {}).get("findings", [])
+        ],
         nav="runs",
         run=run,
         offload=_offload(run),

@@ -1,4 +1,4 @@
-"""`zerowatch serve | demo | plan | alerts render | trace | upload | runs`.
+"""`zerowatch serve | demo | plan | alerts render | trace | upload | runs | doctor`.
 
 The command line is thin: each subcommand parses its options (typer) and calls one function
 of the module that owns the work, imported inside the subcommand so that `zerowatch --help`
@@ -279,6 +279,60 @@ def trace(
     else:
         out.write_text(text)
         typer.echo(f"wrote {out}", err=True)
+
+
+@app.command()
+def doctor(
+    run: Annotated[str, typer.Argument(help="Run id.")],
+    server: ServerOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the JSON the API gives.")] = False,
+    fail_on: Annotated[
+        str | None,
+        typer.Option(help="Exit 1 when a finding is this severe or more: warning or critical."),
+    ] = None,
+) -> None:
+    """What is wrong with a run and what to change: the doctor's findings."""
+    import json
+    from urllib.parse import quote
+
+    if fail_on not in (None, "warning", "critical"):
+        fail(f"--fail-on: expected warning or critical, got {fail_on!r}", EXIT_USAGE)
+    data = _get(server or DEFAULT_SERVER, f"/api/v1/runs/{quote(run, safe='')}/findings")
+    found = data.get("findings", []) if isinstance(data, dict) else []
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+    else:
+        typer.echo(_render_findings(run, found))
+    levels = {"warning": ("warning", "critical"), "critical": ("critical",)}.get(fail_on or "", ())
+    if any(f.get("severity") in levels for f in found):
+        raise typer.Exit(EXIT_FAILED)
+
+
+def _render_findings(run: str, found: list[dict[str, object]]) -> str:
+    """The findings as plain text, most severe first (as the server orders them)."""
+    import json
+
+    if not found:
+        return f"{run}: nothing to report."
+    lines = [f"{run}: {len(found)} finding(s)"]
+    for f in found:
+        ranks = f.get("ranks") or []
+        steps = f.get("steps") or []
+        where = f" ranks {', '.join(map(str, ranks))}" if ranks else ""  # type: ignore[call-overload]
+        span = f" steps {steps[0]}-{steps[1]}" if len(steps) == 2 else ""  # type: ignore[arg-type,index]
+        lines.append("")
+        lines.append(f"[{str(f.get('severity', '')).upper()}] {f.get('kind')}{where}{span}")
+        lines.append(f"  {f.get('message')}")
+        lines.append(f"  -> {f.get('suggestion')}")
+        pred = f.get("prediction")
+        if isinstance(pred, dict):
+            lines.append(
+                f"  predicted: step {pred.get('step_time_s', 0):.4g} s (now "
+                f"{pred.get('step_time_now_s', 0):.4g} s), model state "
+                f"{pred.get('model_state_bytes', 0):,.0f} B per rank; config: "
+                + json.dumps(pred.get("config"))
+            )
+    return "\n".join(lines)
 
 
 @app.command()

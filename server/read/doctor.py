@@ -1,0 +1,63 @@
+"""The doctor: what is wrong with a run and what to change, from the read model.
+
+`findings(db=, run_id=)` gathers a run's *evidence* in a handful of reads whose cost follows
+steps, not ranks, then hands it to the checks (doctor_checks.py, one function per kind):
+
+1. the rollups (rollups.read) of the newest `window_steps` steps (after `warmup_steps`) for
+   every performance metric the run has: step time, busy time, exposed communication,
+   phases, parts, collectives, offload, memory: one row per (metric, step);
+2. the rollups of a few training signals (loss scale, skipped, non-finite, grad norm,
+   offload bandwidth) over the newest `signal_steps` steps, and the run's totals;
+3. the ranks that stand out in busy time (series.outliers over the rollups' outlier lists)
+   and their hosts;
+4. per-rank rows for a few named ranks only: the worst busy rank's own phases, and the gap
+   between consecutive steps (time outside the engine: the data loader) of rank 0, the rank
+   that waits least in communication (the one the others wait for) and the one that waits
+   most.
+
+A 4,096-rank run costs what a 2-rank run does, bar the ranks' names. Each finding is
+{"kind", "severity", "ranks", "steps": [first, last], "message", "suggestion", "evidence",
+"prediction"}; the list is most severe first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+from zerowatch.server import models as m
+from zerowatch.server.db import Database
+from zerowatch.server.read import runs
+from zerowatch.server.read.doctor_checks import SEVERITIES, Finding, run_checks
+from zerowatch.server.read.doctor_evidence import gather
+from zerowatch.server.read.doctor_settings import DoctorSettings
+
+
+def order(found: list[Finding]) -> list[Finding]:
+    """Most severe first; within a severity, in the order the checks ran."""
+    return sorted(found, key=lambda f: SEVERITIES.index(f.severity))
+
+
+def findings(
+    *, db: Database, run_id: str, settings: DoctorSettings | None = None
+) -> dict[str, Any] | None:
+    """The doctor's findings for a run: {"run_id", "window": [first, last] steps read,
+    "findings": [...]} most severe first, or None for an unknown run."""
+    settings = settings or DoctorSettings()
+    with db.read() as conn:
+        row = conn.execute(select(m.runs).where(m.runs.c.run_id == run_id)).first()
+        if row is None:
+            return None
+        run = runs.run_dict(row, now=0.0, stalled_after_s=float("inf"))
+        evidence = gather(conn, int(row.id), run, settings)
+    if evidence is None:
+        return {"run_id": run_id, "window": None, "findings": []}
+    found = order(run_checks(evidence, settings))
+    return {
+        "run_id": run_id,
+        "window": list(evidence.window),
+        "findings": [f.to_dict() for f in found],
+    }
+
+
+__all__ = ["DoctorSettings", "Finding", "findings", "order"]

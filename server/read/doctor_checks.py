@@ -1,0 +1,627 @@
+"""The doctor's checks: one function per kind of finding, each a pure function of a run's
+evidence (doctor_evidence.Evidence) and the thresholds (DoctorSettings).
+
+Every check returns a list of `Finding`s (empty: nothing to say). `run_checks` runs them all
+and relates them where one explains another: communication exposed because the collectives
+are latency-bound is reported once, as latency_bound_collectives (the exposed share stays
+as an info finding pointing at it).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from zerowatch.server.read.doctor_evidence import RANK_PARTS, Evidence
+from zerowatch.server.read.doctor_settings import DoctorSettings
+from zerowatch.server.read.rollups import Stats
+
+from zerowatch import events as ev
+from zerowatch import predict, theory
+from zerowatch.plan import fmt_bytes, fmt_seconds
+
+SEVERITIES = ("critical", "warning", "info")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finding:
+    """One thing the doctor found (see the module docstring for the JSON shape)."""
+
+    kind: str
+    severity: str
+    message: str
+    suggestion: str
+    steps: tuple[int, int]
+    ranks: tuple[int, ...] = ()
+    evidence: dict[str, Any] = field(default_factory=dict)
+    prediction: dict[str, Any] | None = None
+    #: The run page's chart that shows the evidence (its element id is chart-<chart>).
+    chart: str = "breakdown"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "severity": self.severity,
+            "ranks": list(self.ranks),
+            "steps": list(self.steps),
+            "message": self.message,
+            "suggestion": self.suggestion,
+            "evidence": self.evidence,
+            "prediction": self.prediction,
+            "chart": self.chart,
+        }
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _pct(x: float) -> str:
+    return f"{x:.0%}"
+
+
+def _ordered(per: dict[int, Stats] | None, stat: str = "p50") -> list[tuple[int, float]]:
+    return sorted((step, st.get(stat)) for step, st in (per or {}).items())
+
+
+def _typical(per: dict[int, Stats] | None, attr: str) -> int | None:
+    got = Counter(int(getattr(st, attr)) for st in (per or {}).values())
+    return got.most_common(1)[0][0] if got else None
+
+
+def _host(e: Evidence, rank: int) -> str:
+    h = e.hosts.get(rank)
+    return f" on {h}" if h else ""
+
+
+# -- straggler and input ---------------------------------------------------------------------
+
+
+def straggler(e: Evidence, s: DoctorSettings) -> list[Finding]:
+    """A rank (or a node's ranks) whose busy time stands above the median rank's, and the
+    part of the step the excess is in (the rank's own phases against the median rank's)."""
+    if int(e.run["world_size"]) < 2 or not e.busy_outliers:
+        return []
+    median = e.busy_outliers[0]["median"]
+    if not median:
+        return []
+    slow = [o for o in e.busy_outliers if o["mean"] / median > s.straggler_ratio]
+    if not slow:
+        return []
+    worst = slow[0]
+    rank = int(worst["rank"])
+    # Persistently slow, not slow on average because of a few steps: the median over the
+    # window's steps of the rank's busy time against that step's median rank.
+    busy = e.perf.get("busy_s") or {}
+    per_step = [v / busy[st].p50 for st, v in e.rank_busy.get(rank, {}).items()
+                if st in busy and busy[st].p50 > 0]  # fmt: skip
+    ratio = statistics.median(per_step) if per_step else worst["mean"] / median
+    if ratio <= s.straggler_ratio:
+        return []
+    excess: dict[str, float] = {}
+    by_metric: dict[str, float] = {}
+    for name, part in RANK_PARTS.items():
+        mine, typical = e.rank_means.get(rank, {}).get(name), e.median(name)
+        if mine is None or typical is None:
+            continue
+        by_metric[name] = mine - typical
+        excess[part] = excess.get(part, 0.0) + mine - typical
+    part = max(excess, key=lambda k: excess[k]) if excess else "compute"
+    phase = max((n for n in by_metric if RANK_PARTS[n] == part), key=lambda n: by_metric[n],
+                default=None)  # fmt: skip
+    hosts = {e.hosts.get(int(o["rank"])) for o in slow}
+    node = (len(slow) >= 2 and len(hosts) == 1 and None not in hosts
+            and len(slow) < int(e.run["world_size"]))  # fmt: skip
+    ranks = tuple(int(o["rank"]) for o in slow) if node else (rank,)
+    where = f"host {next(iter(hosts))} (ranks {', '.join(map(str, ranks))})" if node else (
+        f"rank {rank}{_host(e, rank)}")  # fmt: skip
+    detail = ""
+    if phase is not None:
+        detail = f" ({phase.removeprefix('phase.')} {fmt_seconds(by_metric[phase])} a step above)"
+    suggestion = {
+        "compute": "Look at that rank's device and host: clocks and thermal throttling "
+        "(nvidia-smi -q -d PERFORMANCE), another process on the device, a slower device "
+        "model, or longer samples in its shard. Replace or drain the node if it stays slow.",
+        "communication": "Its links are slower than the others': check the node's NIC / "
+        "NVLink (nccl-tests between it and a healthy node, ibstat, link errors).",
+    }[part]
+    return [
+        Finding(
+            kind="straggler",
+            severity="critical" if ratio > s.straggler_critical_ratio else "warning",
+            ranks=ranks,
+            steps=e.window,
+            message=f"{where} is {ratio:.2f}x the median rank's busy time "
+            f"({fmt_seconds(worst['mean'])} vs {fmt_seconds(median)}); the excess is in "
+            f"{part}{detail}. Every other rank waits for it in each collective.",
+            suggestion=suggestion,
+            evidence={
+                "part": part,
+                "ratio_to_median": ratio,
+                "busy_s": worst["mean"],
+                "median_busy_s": median,
+                "excess_s": excess,
+                "by_metric_s": by_metric,
+                "outliers": e.busy_outliers[:4],
+            },
+            chart="ranks",
+        )
+    ]
+
+
+def input_stall(e: Evidence, s: DoctorSettings) -> list[Finding]:
+    """Time between steps outside the engine (the data loader), on every rank sampled
+    (input_stall) or on one rank the others wait for (a straggler in "input")."""
+    step = e.median("step_time_s")
+    gaps = {r: g for r, g in e.gaps.items() if g is not None}
+    if not step or not gaps:
+        return []
+    shares = {r: max(g, 0.0) / (max(g, 0.0) + step) for r, g in gaps.items()}
+    low, high = min(shares.values()), max(shares.values())
+    ev_common = {"gap_s": gaps, "step_time_s": step, "share_by_rank": shares}
+    suggestion = ("Feed the GPUs ahead of time: DataLoader(num_workers=4+, pin_memory=True, "
+                  "persistent_workers=True, prefetch_factor=2+), pre-tokenize, move logging "
+                  "and host syncs (.item(), printing) out of the step loop.")  # fmt: skip
+    if low >= s.input_stall_share:
+        gap = statistics.median(gaps.values())
+        return [
+            Finding(
+                kind="input_stall",
+                severity="critical" if low >= s.input_stall_critical_share else "warning",
+                steps=e.window,
+                message=f"Every rank sampled waits {fmt_seconds(gap)} between steps outside "
+                f"the engine ({_pct(low)} or more of the wall time); the step itself takes "
+                f"{fmt_seconds(step)}.",
+                suggestion=suggestion,
+                evidence=ev_common,
+            )
+        ]
+    worst = max(shares, key=lambda r: shares[r])
+    if high >= s.input_stall_share and gaps[worst] > 2 * max(min(gaps.values()), 1e-3):
+        return [
+            Finding(
+                kind="straggler",
+                severity="critical" if high >= s.input_stall_critical_share else "warning",
+                ranks=(worst,),
+                steps=e.window,
+                message=f"rank {worst}{_host(e, worst)} starts its steps "
+                f"{fmt_seconds(gaps[worst])} late (its input): the others wait for it in "
+                "the first collective of each step.",
+                suggestion="That rank's data loading is slow: " + suggestion,
+                evidence={"part": "input", **ev_common},
+                chart="ranks",
+            )
+        ]
+    return []
+
+
+# -- communication ---------------------------------------------------------------------------
+
+
+def _op_stats(e: Evidence) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for op in ev.COLLECTIVE_OPS:
+        got = {f: e.median(f"collective.{op}.{f}") for f in ("count", "bytes", "busbw",
+                                                              "latency_s")}  # fmt: skip
+        if got["count"] and got["busbw"] is not None and got["latency_s"] is not None:
+            out[op] = {k: float(v or 0.0) for k, v in got.items()}
+            out[op]["seconds"] = out[op]["count"] * out[op]["latency_s"]
+            out[op]["message_bytes"] = out[op]["bytes"] / out[op]["count"]
+    return out
+
+
+def measured(e: Evidence) -> predict.Measured | None:
+    """The run as the calibrated planner sees it (None: not enough to calibrate on)."""
+    run = e.run
+    step, exposed = e.median("step_time_s"), e.median("exposed_comm_s")
+    psi = int(run.get("param_count") or 0)
+    if not step or exposed is None or psi <= 0 or run.get("precision") not in theory.PARAM_BYTES:
+        return None
+    ops = _op_stats(e)
+    stage = int(run.get("zero_stage") or 0)
+    opt = e.median("part.optimizer_step")
+    if opt is None:
+        opt = e.median("phase.optimizer_step") or 0.0
+        if stage in (1, 2):
+            opt -= e.median("phase.param_gather") or 0.0
+        if stage >= 1 and "all_reduce" in ops:
+            opt -= ops["all_reduce"]["seconds"]
+        opt = max(opt, 0.0)
+    state = sum(v for n in e.names("memory.state.") if not n.split(".")[-1].startswith("host_")
+                and (v := e.median(n, "max")) is not None)  # fmt: skip
+    offload_bw = [v for d in ("d2h", "h2d") if (v := e.median(f"offload.{d}.bandwidth"))]
+    config = run.get("config") or {}
+    return predict.Measured(
+        num_params=psi, world_size=int(run["world_size"]), stage=stage,
+        precision=str(run["precision"]),
+        offload_optimizer=run.get("offload_optimizer") not in (None, "", "none"),
+        offload_param=run.get("offload_param") not in (None, "", "none"),
+        gradient_accumulation_steps=int(config.get("gradient_accumulation_steps") or 1),
+        device=str((run.get("engine_info") or {}).get("device") or "cuda"),
+        step_time_s=step, exposed_comm_s=exposed, optimizer_s=opt,
+        comm_s={op: v["seconds"] for op, v in ops.items()},
+        busbw={op: v["busbw"] for op, v in ops.items()},
+        calls={op: v["count"] for op, v in ops.items()},
+        comm_bytes={op: v["bytes"] for op, v in ops.items()},
+        model_state_bytes=state, peak_bytes=e.median("memory.peak", "max"),
+        capacity_bytes=e.median("memory.capacity", "min"),
+        offload_bytes_per_s=statistics.median(offload_bw) if offload_bw else None,
+        zero_config=dict(config.get("zero_optimization") or {}),
+    )  # fmt: skip
+
+
+def exposed_communication(e: Evidence, s: DoctorSettings) -> list[Finding]:
+    """Communication compute did not hide, as a share of the step, on the rank that waits
+    least (waiting for a slower rank is that rank's finding)."""
+    step, exposed = e.median("step_time_s"), e.median("exposed_comm_s", "min")
+    if not step or exposed is None:
+        return []
+    share = exposed / step
+    if share < s.exposed_comm_info_share:
+        return []
+    ops = _op_stats(e)
+    top = sorted(ops, key=lambda op: -ops[op]["seconds"])
+    stage = int(e.run.get("zero_stage") or 0)
+    tips = ["set zero_optimization.overlap_comm: true" if not (e.run.get("config") or {})
+            .get("zero_optimization", {}).get("overlap_comm") else None,
+            "raise stage3_prefetch_bucket_size so parameters arrive before they are needed"
+            if stage == 3 else None,
+            "a lower stage moves less (stage 3 gathers parameters twice a step)"
+            if stage == 3 else None,
+            "a larger micro-batch or gradient accumulation spreads the same communication "
+            "over more compute"]  # fmt: skip
+    return [
+        Finding(
+            kind="exposed_communication",
+            severity="warning" if share >= s.exposed_comm_share else "info",
+            steps=e.window,
+            message=f"{_pct(share)} of the step ({fmt_seconds(exposed)} of "
+            f"{fmt_seconds(step)}) is communication that compute does not hide"
+            + (f", mostly {top[0]} ({fmt_seconds(ops[top[0]]['seconds'])} a step)" if top else "")
+            + ".",
+            suggestion="; ".join(t for t in tips if t).capitalize() + ".",
+            evidence={
+                "share": share,
+                "exposed_s": exposed,
+                "step_time_s": step,
+                "hidden_s": e.median("hidden_comm_s"),
+                "seconds_by_op": {op: ops[op]["seconds"] for op in top},
+            },
+            chart="collectives",
+        )
+    ]
+
+
+_BUCKET_KEYS = {"reduce_scatter": "reduce_bucket_size", "all_reduce": "reduce_bucket_size",
+                "all_gather": "allgather_bucket_size"}  # fmt: skip
+
+
+def latency_bound_collectives(e: Evidence, s: DoctorSettings) -> list[Finding]:
+    """Many small collectives whose bus bandwidth sits far below what larger messages reach
+    on the same run: buckets too small."""
+    ops = _op_stats(e)
+    m = measured(e)
+    out = []
+    for op, st in ops.items():
+        if st["count"] < s.latency_bound_min_calls:
+            continue
+        refs = [(o, v) for o, v in ops.items() if o != op and v["busbw"] > 0
+                and v["message_bytes"] >= s.latency_bound_size_factor * st["message_bytes"]]  # fmt: skip
+        if not refs:
+            continue
+        ref_op, ref = max(refs, key=lambda kv: kv[1]["busbw"])
+        if st["busbw"] >= s.latency_bound_ratio * ref["busbw"]:
+            continue
+        stage = int(e.run.get("zero_stage") or 0)
+        key = _BUCKET_KEYS[op]
+        if op == "all_gather" and stage == 3:
+            key = "stage3_prefetch_bucket_size"
+        p = theory.PARAM_BYTES.get(str(e.run.get("precision")), 4)
+        now = ((e.run.get("config") or {}).get("zero_optimization") or {}).get(key)
+        new = math.ceil(ref["message_bytes"] / p)
+        if isinstance(now, int | float) and now > 0:
+            new = max(new, int(now) * 8)
+        prediction = None
+        if m is not None:
+            got = predict.predict(
+                m,
+                predict.Change(
+                    stage=m.stage,
+                    offload_optimizer=m.offload_optimizer,
+                    offload_param=m.offload_param,
+                    bucket=(key, new),
+                ),
+            )
+            prediction = got.to_dict(m)
+        out.append(
+            Finding(
+                kind="latency_bound_collectives",
+                severity="warning",
+                steps=e.window,
+                message=f"{op}: {st['count']:.0f} calls a step of {fmt_bytes(st['message_bytes'])} "
+                f"each reach {fmt_bytes(st['busbw'])}/s of bus bandwidth, "
+                f"{_pct(st['busbw'] / ref['busbw'])} of what {ref_op}'s "
+                f"{fmt_bytes(ref['message_bytes'])} messages reach on this run "
+                f"({fmt_bytes(ref['busbw'])}/s): each call pays the fixed latency.",
+                suggestion=f"Raise zero_optimization.{key}"
+                + (f" (now {now:,.0f} elements)" if isinstance(now, int | float) else "")
+                + f" to about {new:,} elements so that fewer, larger messages carry the same "
+                "bytes.",
+                evidence={
+                    "op": op,
+                    "calls_per_step": st["count"],
+                    "message_bytes": st["message_bytes"],
+                    "busbw": st["busbw"],
+                    "reference_op": ref_op,
+                    "reference_message_bytes": ref["message_bytes"],
+                    "reference_busbw": ref["busbw"],
+                    "seconds_per_step": st["seconds"],
+                },
+                prediction=prediction,
+                chart="bandwidth",
+            )
+        )
+    return out
+
+
+# -- memory and offload ------------------------------------------------------------------------
+
+
+def memory_headroom(e: Evidence, s: DoctorSettings) -> list[Finding]:
+    """Peak memory against the device's capacity, and reserved against allocated."""
+    peak, cap = e.median("memory.peak", "max"), e.median("memory.capacity", "min")
+    if not peak or not cap:
+        return []
+    share = peak / cap
+    rank = _typical(e.perf.get("memory.peak"), "max_rank")
+    reserved = e.median("memory.reserved", "max")
+    evidence = {"peak_bytes": peak, "capacity_bytes": cap, "share": share,
+                "reserved_bytes": reserved, "model_state_bytes": e.median("memory.state", "max")}  # fmt: skip
+    if share >= s.memory_headroom_share:
+        return [
+            Finding(
+                kind="memory_headroom",
+                severity="critical" if share >= s.memory_critical_share else "warning",
+                ranks=(rank,) if rank is not None else (),
+                steps=e.window,
+                message=f"The fullest rank peaks at {fmt_bytes(peak)}, {_pct(share)} of "
+                f"{fmt_bytes(cap)}: one longer batch away from out-of-memory.",
+                suggestion="Free memory: activation checkpointing, a smaller micro-batch with "
+                "more gradient accumulation, a higher ZeRO stage or offload (see stage_choice "
+                "for the predicted cost), smaller buckets.",
+                evidence=evidence,
+                chart="memory",
+            )
+        ]
+    if reserved and reserved / peak >= s.fragmentation_ratio:
+        return [
+            Finding(
+                kind="memory_headroom",
+                severity="info",
+                ranks=(rank,) if rank is not None else (),
+                steps=e.window,
+                message=f"The allocator holds {fmt_bytes(reserved)} for a peak of "
+                f"{fmt_bytes(peak)} allocated ({reserved / peak:.1f}x): fragmentation.",
+                suggestion="Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.",
+                evidence=evidence,
+                chart="memory",
+            )
+        ]
+    return []
+
+
+def offload_bandwidth(e: Evidence, s: DoctorSettings) -> list[Finding]:
+    """Host<->device copies far below what the run reached before, or the link allows."""
+    out = []
+    for d in ("d2h", "h2d"):
+        series_ = _ordered(e.signals.get(f"offload.{d}.bandwidth"))
+        recent = [v for st, v in series_ if st >= e.window[0]]
+        before = sorted(v for st, v in series_ if st < e.window[0])
+        if not recent:
+            continue
+        now = statistics.median(recent)
+        ref = before[int(0.9 * (len(before) - 1))] if len(before) >= 5 else None
+        evidence = {"direction": d, "recent_bytes_per_s": now, "before_p90_bytes_per_s": ref,
+                    "link_bytes_per_s": s.offload_link_bytes_per_s or None}  # fmt: skip
+        if ref and now < s.offload_bandwidth_ratio * ref:
+            out.append(Finding(
+                kind="offload_bandwidth", severity="warning", steps=e.window,
+                message=f"Offload copies {d} run at {fmt_bytes(now)}/s, {_pct(now / ref)} of "
+                f"the {fmt_bytes(ref)}/s this run reached before.",
+                suggestion="Pin the host buffers (offload_optimizer.pin_memory: true), check "
+                "that nothing else shares the link (another job, NUMA placement: bind each "
+                "rank to the CPU socket near its GPU).",
+                evidence=evidence, chart="offload",
+            ))  # fmt: skip
+        elif s.offload_link_bytes_per_s and now < 0.25 * s.offload_link_bytes_per_s:
+            out.append(Finding(
+                kind="offload_bandwidth", severity="info", steps=e.window,
+                message=f"Offload copies {d} run at {fmt_bytes(now)}/s, "
+                f"{_pct(now / s.offload_link_bytes_per_s)} of the link.",
+                suggestion="Pin the host buffers (offload_optimizer.pin_memory: true).",
+                evidence=evidence, chart="offload",
+            ))  # fmt: skip
+    return out
+
+
+# -- training signals ----------------------------------------------------------------------------
+
+
+def loss_scale(e: Evidence, s: DoctorSettings) -> list[Finding]:
+    """fp16's dynamic loss scale collapsing, and skipped steps."""
+    scale = _ordered(e.signals.get("loss_scale"))
+    skipped = _ordered(e.signals.get("skipped"), "max")
+    in_window = [v for st, v in skipped if st >= e.window[0]]
+    skip_share = sum(1 for v in in_window if v > 0) / len(in_window) if in_window else 0.0
+    if not scale and not skip_share:
+        return []
+    latest = scale[-1][1] if scale else None
+    top = max(v for _, v in scale) if scale else None
+    problems, severity = [], None
+    if latest is not None and latest <= s.loss_scale_floor:
+        problems.append(f"the loss scale has collapsed to {latest:g}")
+        severity = "critical"
+    elif latest and top and top / latest > s.loss_scale_drop_factor:
+        problems.append(f"the loss scale fell {top / latest:,.0f}-fold (from {top:g} to "
+                        f"{latest:g})")  # fmt: skip
+        severity = "warning"
+    if skip_share > s.skipped_share:
+        problems.append(f"{_pct(skip_share)} of the recent steps were skipped (gradient "
+                        "overflow: no update)")  # fmt: skip
+        severity = "critical" if skip_share >= 0.5 or severity == "critical" else "warning"
+    if severity is None:
+        return []
+    steps = [st for st, v in skipped if v > 0]
+    return [
+        Finding(
+            kind="loss_scale",
+            severity=severity,
+            steps=(steps[0], steps[-1]) if steps else e.signal_window,
+            message="fp16: " + "; ".join(problems) + ".",
+            suggestion='Train in bf16 where the hardware has it ("bf16": {"enabled": '
+            "true}); otherwise find what overflows (attention logits, a loss without "
+            "reduction, a learning rate too high for the warm-up) and clip gradients.",
+            evidence={
+                "loss_scale": latest,
+                "max_loss_scale": top,
+                "skipped_share": skip_share,
+                "skipped_steps_total": e.totals.get("skipped_steps", (0.0, []))[0],
+            },
+            chart="training",
+        )
+    ]
+
+
+def grad_norm_spike(e: Evidence, s: DoctorSettings) -> list[Finding]:
+    """Steps whose gradient norm is far above the median of the steps before them."""
+    norms = _ordered(e.signals.get("grad_norm"), "max")
+    n0 = int(s.grad_norm_baseline_steps)
+    spikes = []
+    for i in range(n0, len(norms)):
+        base = statistics.median(v for _, v in norms[max(0, i - 10 * n0) : i])
+        if base > 0 and norms[i][1] > s.grad_norm_spike_ratio * base:
+            spikes.append((norms[i][0], norms[i][1] / base))
+    if not spikes:
+        return []
+    worst = max(spikes, key=lambda x: x[1])
+    return [
+        Finding(
+            kind="grad_norm_spike",
+            severity="warning",
+            steps=(spikes[0][0], spikes[-1][0]),
+            message=f"{len(spikes)} step(s) with a gradient norm over "
+            f"{s.grad_norm_spike_ratio:g}x the median before them; the worst, step {worst[0]}, "
+            f"{worst[1]:.0f}x.",
+            suggestion="Check the batches of those steps (bad or duplicated samples); clip "
+            "gradients (gradient_clipping: 1.0), lower the learning rate or lengthen warm-up.",
+            evidence={"spikes": [{"step": st, "ratio": r} for st, r in spikes[-10:]]},
+            chart="training",
+        )
+    ]
+
+
+def nonfinite(e: Evidence, s: DoctorSettings) -> list[Finding]:
+    """Steps with a NaN/inf loss or gradient that were not skipped by the fp16 loss scaler
+    (a skipped overflow step is the loss_scale finding's)."""
+    bad = _ordered(e.signals.get("nonfinite"), "max")
+    skipped = dict(_ordered(e.signals.get("skipped"), "max"))
+    steps = [st for st, v in bad if v > 0 and not skipped.get(st)]
+    if not steps:
+        return []
+    rank = _typical(e.signals.get("nonfinite"), "max_rank")
+    return [
+        Finding(
+            kind="nonfinite",
+            severity="critical",
+            ranks=(rank,) if rank is not None else (),
+            steps=(steps[0], steps[-1]),
+            message=f"{len(steps)} step(s) had a non-finite loss or gradient that was not "
+            "skipped: the weights may hold NaN from there on.",
+            suggestion="Roll back to the checkpoint before the first such step; look for a "
+            "bad batch, a division by zero or log(0) in the loss, a learning rate spike; "
+            "enable gradient clipping.",
+            evidence={
+                "steps": steps[-20:],
+                "nonfinite_steps_total": e.totals.get("nonfinite_steps", (0.0, []))[0],
+            },
+            chart="training",
+        )
+    ]
+
+
+# -- stage choice --------------------------------------------------------------------------------
+
+
+def stage_choice(e: Evidence, s: DoctorSettings) -> list[Finding]:
+    """Another stage or offload that fits and is predicted faster, or that frees memory at a
+    stated cost when memory is short (the calibrated planner, zerowatch.predict)."""
+    m = measured(e)
+    if m is None or m.world_size < 2:
+        return []
+    preds = [predict.predict(m, c) for c in predict.candidates(m)]
+    short = bool(m.peak_bytes and m.capacity_bytes
+                 and m.peak_bytes >= s.memory_headroom_share * m.capacity_bytes)  # fmt: skip
+    fitting = [p for p in preds if p.fits is not False]
+    if short:
+        lean = [p for p in fitting if p.model_state_bytes < m.model_state_bytes]
+        if not lean:
+            return []
+        best = min(lean, key=lambda p: (p.step_time_s, p.model_state_bytes))
+        what = (f"frees {fmt_bytes(m.model_state_bytes - best.model_state_bytes)} per rank at a "
+                f"predicted step time of {fmt_seconds(best.step_time_s)} (now "
+                f"{fmt_seconds(m.step_time_s)})")  # fmt: skip
+    else:
+        fast = [p for p in fitting
+                if p.step_time_s < (1 - s.stage_choice_min_gain) * m.step_time_s]  # fmt: skip
+        if not fast:
+            return []
+        best = min(fast, key=lambda p: p.step_time_s)
+        what = (f"is predicted {_pct(1 - best.step_time_s / m.step_time_s)} faster: "
+                f"{fmt_seconds(best.step_time_s)} a step (now {fmt_seconds(m.step_time_s)}), "
+                f"{fmt_bytes(best.model_state_bytes)} of model state per rank (now "
+                f"{fmt_bytes(m.model_state_bytes)})")  # fmt: skip
+    fits = {True: "fits", None: "device capacity unknown"}.get(best.fits, "does not fit")
+    return [
+        Finding(
+            kind="stage_choice",
+            severity="info",
+            steps=e.window,
+            message=f"{best.change.describe()} {what}; {fits}.",
+            suggestion="Paste the prediction's config into the DeepSpeed JSON and compare "
+            "the next run with this one.",
+            evidence={
+                "candidates": [p.to_dict(m) for p in sorted(preds, key=lambda p: p.step_time_s)]
+            },
+            prediction=best.to_dict(m),
+            chart="memory",
+        )
+    ]
+
+
+CHECKS: tuple[Callable[[Evidence, DoctorSettings], list[Finding]], ...] = (
+    nonfinite, loss_scale, straggler, input_stall, memory_headroom, latency_bound_collectives,
+    exposed_communication, offload_bandwidth, grad_norm_spike, stage_choice,
+)  # fmt: skip
+
+
+def run_checks(e: Evidence, s: DoctorSettings) -> list[Finding]:
+    """Every check's findings, related where one explains another (module docstring)."""
+    found = [f for check in CHECKS for f in check(e, s)]
+    if any(f.kind == "latency_bound_collectives" for f in found):
+        found = [
+            replace(
+                f,
+                severity="info",
+                message=f.message + " Much of it is the latency-bound collectives below.",
+            )
+            if f.kind == "exposed_communication"
+            else f
+            for f in found
+        ]
+    return found
+
+
+__all__ = ["CHECKS", "SEVERITIES", "Finding", "measured", "run_checks"]

@@ -1,0 +1,148 @@
+"""The doctor's evidence: what the checks read about a run, gathered from the read model in a
+handful of reads whose cost follows steps, not ranks (see doctor.py for the list)."""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, select
+from zerowatch.server import models as m
+from zerowatch.server.read import rollups, series
+from zerowatch.server.read.doctor_settings import DoctorSettings
+from zerowatch.server.read.rollups import Stats
+
+#: Performance metrics read over the window: these names, and every name under a prefix.
+PERF_NAMES = ("step_time_s", "busy_s", "exposed_comm_s", "hidden_comm_s")
+PERF_PREFIXES = ("phase.", "part.", "collective.", "offload.", "memory.")
+SIGNAL_NAMES = ("loss_scale", "skipped", "nonfinite", "grad_norm", "offload.d2h.bandwidth",
+                "offload.h2d.bandwidth")  # fmt: skip
+#: Metrics a straggler's own rows are read for, and the part of the step each belongs to.
+RANK_PARTS = {
+    "phase.forward": "compute",
+    "phase.backward": "compute",
+    "phase.optimizer_step": "compute",
+    "exposed_comm_s": "communication",
+}
+
+
+@dataclass(kw_only=True)
+class Evidence:
+    """What the checks read: plain data gathered by `gather`."""
+
+    run: dict[str, Any]
+    window: tuple[int, int]
+    perf: dict[str, dict[int, Stats]]
+    signal_window: tuple[int, int]
+    signals: dict[str, dict[int, Stats]]
+    totals: dict[str, tuple[float, list[int]]]
+    busy_outliers: list[dict[str, Any]]
+    hosts: dict[int, str | None]
+    #: The worst busy rank's own mean per RANK_PARTS metric over the window.
+    rank_means: dict[int, dict[str, float]]
+    #: The worst busy rank's busy time per step of the window.
+    rank_busy: dict[int, dict[int, float]]
+    #: Median seconds between consecutive steps (outside the engine) of a few ranks.
+    gaps: dict[int, float]
+
+    def median(self, name: str, stat: str = "p50", *, signals: bool = False) -> float | None:
+        """The median over the window's steps of one statistic of a metric."""
+        per = (self.signals if signals else self.perf).get(name) or {}
+        vals = [st.get(stat) for st in per.values()]
+        return statistics.median(vals) if vals else None
+
+    def names(self, prefix: str) -> list[str]:
+        return sorted(n for n in self.perf if n.startswith(prefix) and self.perf[n])
+
+
+def _window(bounds: tuple[int, int], size: int, warmup: int) -> tuple[int, int]:
+    first, last = bounds
+    lo = max(first, last - size + 1)
+    if last - first + 1 > warmup + 1:
+        lo = max(lo, first + warmup)
+    return lo, last
+
+
+def _typical_rank(per_step: dict[int, Stats], attr: str) -> int | None:
+    got = Counter(int(getattr(st, attr)) for st in per_step.values())
+    return got.most_common(1)[0][0] if got else None
+
+
+def step_gaps(
+    conn: Connection, pk: int, ranks: list[int], step_from: int, step_to: int
+) -> dict[int, float]:
+    """{rank: median seconds between the end of a step and the start of the next} over
+    consecutive steps in the range: the time a rank spends outside the engine."""
+    s = m.steps.c
+    rows = conn.execute(
+        select(s.rank, s.step, s.time, s.step_time_s)
+        .where(s.run == pk, s.rank.in_(ranks), s.step >= step_from - 1, s.step <= step_to)
+        .order_by(s.rank, s.step)
+    ).all()
+    ends: dict[tuple[int, int], float] = {}
+    for r in rows:
+        ends[(int(r.rank), int(r.step))] = float(r.time)
+    out: dict[int, float] = {}
+    for rank in ranks:
+        gaps = [
+            float(r.time) - float(r.step_time_s) - ends[(rank, int(r.step) - 1)]
+            for r in rows
+            if int(r.rank) == rank and (rank, int(r.step) - 1) in ends and r.step >= step_from
+        ]
+        if gaps:
+            out[rank] = statistics.median(gaps)
+    return out
+
+
+def gather(
+    conn: Connection, pk: int, run: dict[str, Any], settings: DoctorSettings
+) -> Evidence | None:
+    """The run's evidence (see the module docstring), or None for a run without steps."""
+    bounds = rollups.step_bounds(conn, pk)
+    if bounds is None:
+        return None
+    lo, hi = _window(bounds, int(settings.window_steps), int(settings.warmup_steps))
+    names = rollups.metric_names(conn, pk)
+    if not names:  # nothing rolled up yet: the reader computes the dirty steps itself
+        perf_names = None
+    else:
+        perf_names = [n for n in names if n in PERF_NAMES or n.startswith(PERF_PREFIXES)]
+    perf = rollups.read(conn, pk, perf_names, step_from=lo, step_to=hi)
+    if perf_names is None:
+        perf = {n: v for n, v in perf.items() if n in PERF_NAMES or n.startswith(PERF_PREFIXES)}
+    s_lo, _ = _window(bounds, int(settings.signal_steps), int(settings.warmup_steps))
+    s_lo = min(s_lo, lo)
+    signals = rollups.read(conn, pk, list(SIGNAL_NAMES), step_from=s_lo, step_to=hi)
+    outl = series.outliers(conn, pk, "busy_s", k=8, step_from=lo, step_to=hi)
+    rank_means: dict[int, dict[str, float]] = {}
+    rank_busy: dict[int, dict[int, float]] = {}
+    if outl and int(run["world_size"]) > 1:
+        worst = int(outl[0]["rank"])
+        wanted = [n for n in (*RANK_PARTS, "busy_s") if perf.get(n)]
+        rank_means[worst] = {}
+        for name in wanted:
+            rows = series.rank_rows(conn, pk, name, ranks=[worst], step_from=lo, step_to=hi)
+            vals = [float(v) for _, _, v in rows if v is not None]
+            if name == "busy_s":
+                rank_busy[worst] = {int(st): float(v) for _, st, v in rows if v is not None}
+            if vals:
+                rank_means[worst][name] = statistics.fmean(vals)
+    exposed = perf.get("exposed_comm_s") or {}
+    candidates = {0}
+    for attr in ("min_rank", "max_rank"):
+        r = _typical_rank(exposed, attr)
+        if r is not None:
+            candidates.add(r)
+    gaps = step_gaps(conn, pk, sorted(candidates), lo, hi)
+    hosts = series.host_map(conn, pk, sorted({int(o["rank"]) for o in outl} | set(gaps)))
+    return Evidence(
+        run=run, window=(lo, hi), perf=perf, signal_window=(s_lo, hi), signals=signals,
+        totals=rollups.totals(conn, pk), busy_outliers=outl, hosts=hosts,
+        rank_means=rank_means, rank_busy=rank_busy, gaps=gaps,
+    )  # fmt: skip
+
+
+__all__ = ["PERF_NAMES", "PERF_PREFIXES", "RANK_PARTS", "SIGNAL_NAMES", "Evidence", "gather",
+           "step_gaps"]  # fmt: skip

@@ -1,0 +1,274 @@
+"""The planner calibrated with a run's own measurements: what another ZeRO stage, offload or
+bucket size would cost this job, per rank and per optimizer step.
+
+The capacity planner (plan.py) prices a configuration from the ZeRO model alone. Here the
+model is anchored on what the run measured (`Measured`), so that only the *differences*
+between the two configurations come from the model:
+
+- model-state memory: theory.model_state_bytes of the other layout, times the run's own
+  overhead above theory (measured / theoretical device model-state bytes); the peak moves by
+  the same difference (activations and workspace do not depend on the layout);
+- communication: theory.comm_bytes_per_step of each layout turned into seconds with the
+  bus bandwidth the run measured per op (an op the run did not use gets the median of the
+  ones it did). The share of communication compute did not hide stays the run's own;
+- the optimizer step scales with the elements each rank updates (Ψ at stage 0, Ψ/N above);
+- offload adds its host<->device copies (plan._offload_copies) at the run's measured copy
+  bandwidth, or `host_copy_bytes_per_s` where the run did not offload; the CPU step of a GPU
+  run is priced at `cpu_adam_params_per_s` (not calibrated: the prediction says so);
+- a bucket size changes the number of calls of an op: each call costs the run's measured
+  per-call latency (α) plus its bytes at the bandwidth larger messages reached (β).
+
+predicted step = measured step - (exposed comm + optimizer + offload copies now)
+                               + (the same three for the other configuration)
+
+Standard library, theory and plan only.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from zerowatch import plan, theory
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    """What a run measured, per rank and per optimizer step (medians over its steps)."""
+
+    num_params: int
+    world_size: int
+    stage: int
+    precision: str = "fp32"
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    gradient_accumulation_steps: int = 1
+    device: str = "cpu"
+    step_time_s: float
+    exposed_comm_s: float
+    optimizer_s: float = 0.0
+    #: Seconds per step spent in each op (latency summed over its calls).
+    comm_s: dict[str, float] = field(default_factory=dict)
+    #: Bus bandwidth per op (B/s), and calls per step.
+    busbw: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, float] = field(default_factory=dict)
+    #: Bytes per step per op (nccl-tests size), as measured.
+    comm_bytes: dict[str, float] = field(default_factory=dict)
+    #: Device model-state bytes held per rank, and the peak and capacity (None: unknown).
+    model_state_bytes: float = 0.0
+    peak_bytes: float | None = None
+    capacity_bytes: float | None = None
+    offload_bytes_per_s: float | None = None
+    zero_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Change:
+    """One change to price: a layout, or one bucket size (elements) of the current layout."""
+
+    stage: int
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    bucket: tuple[str, int] | None = None
+
+    def fragment(self, current: Measured) -> dict[str, Any]:
+        """The DeepSpeed JSON fragment to paste."""
+        if self.bucket is not None:
+            return {"zero_optimization": {self.bucket[0]: self.bucket[1]}}
+        z: dict[str, Any] = {"stage": self.stage}
+        if self.offload_optimizer != current.offload_optimizer:
+            z["offload_optimizer"] = {"device": "cpu" if self.offload_optimizer else "none"}
+        if self.offload_param != current.offload_param:
+            z["offload_param"] = {"device": "cpu" if self.offload_param else "none"}
+        return {"zero_optimization": z}
+
+    def describe(self) -> str:
+        if self.bucket is not None:
+            return f"{self.bucket[0]} = {self.bucket[1]:,}"
+        lay = plan.Layout(self.stage, self.offload_optimizer, self.offload_param)
+        return f"ZeRO stage {self.stage}, offload {lay.offload}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    change: Change
+    step_time_s: float
+    model_state_bytes: float
+    peak_bytes: float | None
+    fits: bool | None
+    #: Which parts were calibrated on this run (False: a default rate was assumed).
+    calibrated: bool
+    basis: dict[str, float]
+
+    def to_dict(self, current: Measured) -> dict[str, Any]:
+        return {
+            "change": self.change.describe(),
+            "config": self.change.fragment(current),
+            "step_time_s": self.step_time_s,
+            "step_time_now_s": current.step_time_s,
+            "model_state_bytes": self.model_state_bytes,
+            "model_state_now_bytes": current.model_state_bytes,
+            "peak_bytes": self.peak_bytes,
+            "fits": self.fits,
+            "calibrated": self.calibrated,
+            "basis": self.basis,
+        }
+
+
+#: Rates used only where the run could not measure them.
+HOST_COPY_BYTES_PER_S = 10e9
+CPU_ADAM_PARAMS_PER_S = 1e9
+
+
+def _opt_elems(psi: int, n: int, stage: int) -> int:
+    return psi if stage == 0 else theory.shard(psi, n)
+
+
+def _layout_bytes(m: Measured, stage: int, off_opt: bool, off_par: bool) -> float:
+    return float(
+        theory.model_state_bytes(
+            m.num_params, m.world_size, stage, precision=m.precision,
+            offload_optimizer=off_opt, offload_param=off_par,
+        ).device_total
+    )  # fmt: skip
+
+
+def _comm_seconds(m: Measured, stage: int) -> float:
+    """Seconds of communication per step of a stage at the run's bandwidth per op."""
+    sizes = theory.comm_bytes_per_step(
+        m.num_params, m.world_size, stage, precision=m.precision,
+        gradient_accumulation_steps=m.gradient_accumulation_steps,
+    )  # fmt: skip
+    known = [bw for bw in m.busbw.values() if bw > 0]
+    fallback = statistics.median(known) if known else None
+    total = 0.0
+    for op, size in sizes.items():
+        bw = m.busbw.get(op) or fallback
+        if not bw:
+            return math.nan
+        total += theory.comm_traffic_bytes({op: size}, m.world_size) / bw
+    return total
+
+
+def _copies(m: Measured, stage: int, off_opt: bool, off_par: bool) -> float:
+    lay = plan.Layout(stage, off_opt, off_par)
+    p = theory.PARAM_BYTES[m.precision]
+    return float(
+        plan._offload_copies(m.num_params, m.world_size, p, m.gradient_accumulation_steps, lay)
+    )
+
+
+def predict(m: Measured, change: Change) -> Prediction:
+    """The step time and per-rank memory of `change` applied to the measured run."""
+    calibrated = True
+    copy_bw = m.offload_bytes_per_s or HOST_COPY_BYTES_PER_S
+    if not m.offload_bytes_per_s:
+        calibrated = calibrated and not (change.offload_optimizer or change.offload_param)
+    now_state = _layout_bytes(m, m.stage, m.offload_optimizer, m.offload_param)
+    overhead = m.model_state_bytes / now_state if now_state and m.model_state_bytes else 1.0
+    basis: dict[str, float] = {"state_overhead": overhead}
+    if change.bucket is not None:
+        key, size = change.bucket
+        op = "reduce_scatter" if key == "reduce_bucket_size" else "all_gather"
+        if m.stage == 0 and key == "reduce_bucket_size":
+            op = "all_reduce"
+        delta, alpha, beta = _bucket_delta(m, op, size)
+        basis.update(alpha_s=alpha, beta_bytes_per_s=beta)
+        step = m.step_time_s + delta * _exposed_share(m)
+        return Prediction(change=change, step_time_s=step, model_state_bytes=m.model_state_bytes,
+                          peak_bytes=m.peak_bytes, fits=_fits(m, m.peak_bytes),
+                          calibrated=calibrated, basis=basis)  # fmt: skip
+    st, oo, op_ = change.stage, change.offload_optimizer, change.offload_param
+    comm_now, comm_new = _comm_seconds(m, m.stage), _comm_seconds(m, st)
+    exposed_new = m.exposed_comm_s * (comm_new / comm_now) if comm_now else m.exposed_comm_s
+    if math.isnan(exposed_new):
+        exposed_new = m.exposed_comm_s
+    elems_now = _opt_elems(m.num_params, m.world_size, m.stage)
+    elems_new = _opt_elems(m.num_params, m.world_size, st)
+    opt_new = m.optimizer_s * elems_new / max(elems_now, 1)
+    if m.device != "cpu" and oo != m.offload_optimizer:
+        calibrated = False
+        if oo:
+            opt_new = elems_new / CPU_ADAM_PARAMS_PER_S
+        else:
+            opt_new = m.optimizer_s * 0.1 * elems_new / max(elems_now, 1)
+    copies_now = _copies(m, m.stage, m.offload_optimizer, m.offload_param) / copy_bw
+    copies_new = _copies(m, st, oo, op_) / copy_bw
+    step = (m.step_time_s - m.exposed_comm_s - m.optimizer_s - copies_now
+            + exposed_new + opt_new + copies_new)  # fmt: skip
+    state = _layout_bytes(m, st, oo, op_) * overhead
+    peak = None if m.peak_bytes is None else m.peak_bytes - m.model_state_bytes + state
+    basis.update(comm_s_now=comm_now, comm_s_new=comm_new, optimizer_s_new=opt_new,
+                 copies_s_new=copies_new)  # fmt: skip
+    return Prediction(change=change, step_time_s=max(step, 0.0), model_state_bytes=state,
+                      peak_bytes=peak, fits=_fits(m, peak), calibrated=calibrated,
+                      basis=basis)  # fmt: skip
+
+
+def _exposed_share(m: Measured) -> float:
+    total = sum(m.comm_s.values())
+    return min(1.0, m.exposed_comm_s / total) if total > 0 else 1.0
+
+
+def _fits(m: Measured, peak: float | None, share: float = 0.9) -> bool | None:
+    if peak is None or not m.capacity_bytes:
+        return None
+    return peak <= share * m.capacity_bytes
+
+
+def reference_bandwidth(m: Measured, op: str, size_factor: float = 4.0) -> float | None:
+    """The best bus bandwidth of ops whose messages are `size_factor` times larger than
+    `op`'s on this run (None: no such op)."""
+    mine = _message_bytes(m, op)
+    if mine is None:
+        return None
+    best = [m.busbw[o] for o in m.busbw if o != op and (_message_bytes(m, o) or 0) >= size_factor
+            * mine and m.busbw[o] > 0]  # fmt: skip
+    return max(best) if best else None
+
+
+def _message_bytes(m: Measured, op: str) -> float | None:
+    calls = m.calls.get(op, 0.0)
+    return m.comm_bytes.get(op, 0.0) / calls if calls > 0 else None
+
+
+def _bucket_delta(m: Measured, op: str, bucket_elems: int) -> tuple[float, float, float]:
+    """(seconds of `op` per step saved (negative) or added, α, β) with buckets of
+    `bucket_elems` elements: calls × α + bytes / β, α-β calibrated on the run."""
+    nbytes, calls, secs = m.comm_bytes.get(op, 0.0), m.calls.get(op, 0.0), m.comm_s.get(op, 0.0)
+    beta = reference_bandwidth(m, op) or m.busbw.get(op) or 0.0
+    if calls <= 0 or beta <= 0 or secs <= 0:
+        return 0.0, 0.0, beta
+    traffic = m.busbw.get(op, 0.0) * secs  # bus bytes per step: busbw = traffic / seconds
+    alpha = max((secs - traffic / beta) / calls, 0.0)
+    new_calls = max(1.0, math.ceil(nbytes / max(bucket_elems * theory.PARAM_BYTES[m.precision], 1)))
+    return new_calls * alpha + traffic / beta - secs, alpha, beta
+
+
+def candidates(m: Measured) -> list[Change]:
+    """Every layout the planner compares that differs from the run's."""
+    out = []
+    for lay in plan.LAYOUTS:
+        if (lay.stage, lay.offload_optimizer, lay.offload_param) == (
+            m.stage,
+            m.offload_optimizer,
+            m.offload_param,
+        ):
+            continue
+        out.append(Change(stage=lay.stage, offload_optimizer=lay.offload_optimizer,
+                          offload_param=lay.offload_param))  # fmt: skip
+    return out
+
+
+__all__ = [
+    "CPU_ADAM_PARAMS_PER_S",
+    "HOST_COPY_BYTES_PER_S",
+    "Change",
+    "Measured",
+    "Prediction",
+    "candidates",
+    "predict",
+    "reference_bandwidth",
+]
