@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 from zerowatch.dashboards import theme as th
 from zerowatch.dashboards.data import RunSummary
 
-from zerowatch.events import COLLECTIVE_OPS, PHASES, STATE_KINDS
+from zerowatch.events import COLLECTIVE_OPS, STATE_KINDS, STEP_PARTS
 
 #: Legend to the right of the plot: compare charts have long category labels below.
 _LEGEND_RIGHT = {"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top",
@@ -41,6 +41,11 @@ def _labels(runs: Sequence[RunSummary]) -> list[str]:
 
 def _figure(title: str) -> go.Figure:
     return th.figure(title, height=400, legend=_LEGEND_RIGHT, margin=_MARGIN)
+
+
+#: The phases that partition a step (with the gap outside them): stacked when a run has
+#: no exclusive parts.
+_TOP = ("forward", "backward", "optimizer_step")
 
 
 def _kinds(dicts: Sequence[dict[str, float]], known: Sequence[str]) -> list[str]:
@@ -114,23 +119,39 @@ def comm_bytes(runs: Sequence[RunSummary]) -> go.Figure:
 
 
 def step_phases(runs: Sequence[RunSummary]) -> go.Figure:
-    """Mean time per step in each phase, stacked, with the mean step time as a marker."""
-    fig = _figure("Step time by phase (mean)")
+    """Mean time per step in each exclusive part (events.STEP_PARTS), stacked, with the mean
+    step time as a marker: the parts add up to it, so the stack meets the marker. Runs
+    whose agent reports no parts stack their top-level phases (forward, backward, optimizer
+    step) and `other`, which partition the step too; nested phases are never stacked."""
+    with_parts = any(r.parts for r in runs)
+    fig = _figure("Step time by part (mean)" if with_parts else "Step time by phase (mean)")
     x = _labels(runs)
-    for phase in _kinds([r.phases for r in runs], PHASES):
+    if with_parts:
+        kinds = _kinds([r.parts for r in runs], STEP_PARTS)
+        values, colors, labels = (
+            lambda k: [r.parts.get(k) for r in runs], th.PART_COLORS, th.PART_LABELS
+        )  # fmt: skip
+    else:
+        kinds = _kinds([{k: v for k, v in r.phases.items() if k in _TOP} for r in runs], _TOP)
+        values, colors, labels = (
+            lambda k: [r.phases.get(k) for r in runs], th.PHASE_COLORS, th.PHASE_LABELS
+        )  # fmt: skip
+    for kind in kinds:
         fig.add_trace(
             go.Bar(
                 x=x,
-                y=th.scaled([r.phases.get(phase) for r in runs], 1e-3),
-                name=th.phase_label(phase),
-                marker={"color": th.PHASE_COLORS.get(phase)},
+                y=th.scaled(values(kind), 1e-3),
+                name=labels.get(kind, th.text(kind)),
+                marker={"color": colors.get(kind)},
                 hovertemplate="%{y:.3~f} ms",
             )
         )
+    step = [(r.step_time_mean_s if with_parts and r.step_time_mean_s is not None
+             else r.step_time_s) for r in runs]  # fmt: skip
     fig.add_trace(
         go.Scatter(
             x=x,
-            y=th.scaled([r.step_time_s for r in runs], 1e-3),
+            y=th.scaled(step, 1e-3),
             name="step time",
             mode="markers",
             marker={

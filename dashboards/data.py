@@ -105,6 +105,8 @@ class RunSummary:
     #: Communication compute hid (beside the parts, not in their sum).
     hidden_comm_s: float | None = None
     step_time_s: float | None = None
+    #: The mean step time over ranks and steps: what the stacked parts add up to.
+    step_time_mean_s: float | None = None
     samples_per_s: float | None = None
 
     @property
@@ -120,6 +122,12 @@ class RunView:
     steps: list[int] = field(default_factory=list)
     step_time: Series = field(default_factory=Series)
     phases: dict[str, Series] = field(default_factory=dict)
+    #: The exclusive parts (events.STEP_PARTS), means over ranks: they add up to
+    #: `step_time_mean`. Empty for runs whose agent predates them.
+    parts: dict[str, Series] = field(default_factory=dict)
+    step_time_mean: Series = field(default_factory=Series)
+    #: Communication compute hid (mean over ranks): beside the parts, not in their sum.
+    hidden_comm: Series = field(default_factory=Series)
     exposed_comm: Series = field(default_factory=Series)
     latency: dict[str, Series] = field(default_factory=dict)
     busbw: dict[str, Series] = field(default_factory=dict)

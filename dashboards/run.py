@@ -19,15 +19,62 @@ import plotly.graph_objects as go
 from zerowatch.dashboards import theme as th
 from zerowatch.dashboards.data import RankGrid, RunView, Series, SizePoints, Straggler
 
-from zerowatch.events import PHASES
+from zerowatch.events import PHASES, STEP_PARTS
 
 _STEP_AXIS = {"title": {"text": "step"}}
+
+
+def step_parts(step_time: Series, parts: Mapping[str, Series], hidden_comm: Series) -> go.Figure:
+    """Step time per step stacked by its exclusive parts, with hidden communication beside.
+
+    The parts (events.STEP_PARTS, means over ranks) never overlap and add up to the step,
+    so the stack meets the step-time line (the mean over ranks too); the communication that
+    compute hid is a dotted line beside the stack, not part of it.
+
+    Args:
+        step_time: mean step time over ranks, per step.
+        parts: mean seconds per step of each part.
+        hidden_comm: mean seconds per step of communication compute hid.
+    """
+    fig = th.figure("Step time by part (mean over ranks; the parts add up to the step)",
+                    height=380)  # fmt: skip
+    for name in [p for p in STEP_PARTS if parts.get(p)]:
+        series = parts[name]
+        fig.add_trace(
+            go.Scatter(
+                x=list(series.steps), y=th.scaled(series.values, 1e-3),
+                name=th.PART_LABELS.get(name, th.text(name)), stackgroup="parts", mode="lines",
+                line={"width": 0.5, "color": th.PART_COLORS.get(name)},
+                hovertemplate="%{y:.3~f} ms",
+            )
+        )  # fmt: skip
+    if step_time:
+        fig.add_trace(
+            go.Scatter(x=list(step_time.steps), y=th.scaled(step_time.values, 1e-3),
+                       name="step time", mode="lines", line={"color": "#2d3436", "width": 2},
+                       hovertemplate="%{y:.3~f} ms")
+        )  # fmt: skip
+    if hidden_comm and any(v for v in hidden_comm.values if v):
+        fig.add_trace(
+            go.Scatter(x=list(hidden_comm.steps), y=th.scaled(hidden_comm.values, 1e-3),
+                       name="hidden communication (beside the stack)", mode="lines",
+                       line={"color": th.EXPOSED_COLOR, "width": 2, "dash": "dot"},
+                       hovertemplate="%{y:.3~f} ms (ran under compute)")
+        )  # fmt: skip
+    fig.update_layout(
+        hovermode="x unified",
+        xaxis=_STEP_AXIS,
+        yaxis={"title": {"text": "time per step (ms)"}, "rangemode": "tozero"},
+        legend={"traceorder": "normal"},
+    )
+    return fig
 
 
 def step_breakdown(
     step_time: Series, phases: Mapping[str, Series], exposed_comm: Series | None = None
 ) -> go.Figure:
-    """Step time per step, stacked by phase, with the exposed communication marked.
+    """Step time per step, stacked by phase, with the exposed communication marked: for runs
+    whose agent reports no exclusive parts (see `step_parts`).
 
     Phases may overlap (the gradient reduce runs inside the backward under overlap_comm), so
     the stack can rise above the step-time line; where it stays below, the gap is shown as
@@ -75,11 +122,11 @@ def step_breakdown(
                     hovertemplate="%{y:.3~f} ms",
                 )
             )
-    for name in sorted(p for p in phases if p not in PHASES and phases[p]):
+    for extra in sorted(p for p in phases if p not in PHASES and phases[p]):
         # A phase outside the vocabulary may nest inside a known one: a line, not the stack.
         fig.add_trace(
-            go.Scatter(x=list(phases[name].steps), y=th.scaled(phases[name].values, 1e-3),
-                       name=th.phase_label(name), mode="lines",
+            go.Scatter(x=list(phases[extra].steps), y=th.scaled(phases[extra].values, 1e-3),
+                       name=th.phase_label(extra), mode="lines",
                        line={"width": 1.5, "dash": "dash"}, hovertemplate="%{y:.3~f} ms")
         )  # fmt: skip
     if step_time:
@@ -232,7 +279,7 @@ def memory(
     unit, scale = ("GiB", th.GIB) if top >= th.GIB else ("MiB", 2**20)
     log = low > 0 and top / low > 20
     hover = f"%{{y:.4~f}} {unit}"
-    phases = [p for p in PHASES if any(p in peaks.get(r, {}) for r in ranks)]
+    phases: list[str] = [p for p in PHASES if any(p in peaks.get(r, {}) for r in ranks)]
     phases += sorted({p for r in ranks for p in peaks.get(r, {})} - set(phases))
     for phase in phases:
         fig.add_trace(
@@ -411,7 +458,9 @@ CHARTS = (
 def figures(view: RunView) -> dict[str, go.Figure]:
     """The run page's charts that have data, by chart id (see CHARTS), in page order."""
     out: dict[str, go.Figure] = {}
-    if view.step_time:
+    if view.parts:
+        out["breakdown"] = step_parts(view.step_time_mean, view.parts, view.hidden_comm)
+    elif view.step_time:
         out["breakdown"] = step_breakdown(view.step_time, view.phases, view.exposed_comm)
     if any(view.latency.values()) or any(view.busbw.values()):
         out["collectives"] = collectives(view.latency, view.busbw)

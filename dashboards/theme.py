@@ -30,6 +30,26 @@ PHASE_COLORS: dict[str, str] = {
     "offload_h2d": "#9D755D",
     "other": "#BAB0AC",
 }
+#: The exclusive parts of a step (events.STEP_PARTS), coloured like the phase they are the
+#: self time of.
+PART_COLORS: dict[str, str] = {
+    "forward_compute": PHASE_COLORS["forward"],
+    "backward_compute": PHASE_COLORS["backward"],
+    "optimizer_step": PHASE_COLORS["optimizer_step"],
+    "exposed_param_gather": PHASE_COLORS["param_gather"],
+    "exposed_grad_reduce": PHASE_COLORS["grad_reduce"],
+    "exposed_offload": PHASE_COLORS["offload_d2h"],
+    "other": PHASE_COLORS["other"],
+}
+PART_LABELS: dict[str, str] = {
+    "forward_compute": "forward compute",
+    "backward_compute": "backward compute",
+    "optimizer_step": "optimizer step",
+    "exposed_param_gather": "exposed parameter gather",
+    "exposed_grad_reduce": "exposed gradient reduce",
+    "exposed_offload": "exposed offload copies",
+    "other": "other (outside the engine)",
+}
 PHASE_LABELS: dict[str, str] = {
     "forward": "forward",
     "backward": "backward",
@@ -251,6 +271,8 @@ __all__ = [
     "KIND_LABELS",
     "LEGEND_BELOW",
     "OP_COLORS",
+    "PART_COLORS",
+    "PART_LABELS",
     "PHASE_COLORS",
     "PHASE_LABELS",
     "SERIES_COLORS",

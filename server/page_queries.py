@@ -26,7 +26,8 @@ from zerowatch import events as ev
 MAX_POINTS = 400
 #: The rollups the run page draws (metric names, or prefixes of them).
 DRAWN = (
-    "step_time_s", "exposed_comm_s", "phase.", "offload.", "grad_norm", "loss", "lr",
+    "step_time_s", "exposed_comm_s", "hidden_comm_s", "phase.", "part.", "offload.",
+    "grad_norm", "loss", "lr",
     "loss_scale", "clipped", "skipped",
     *(f"collective.{op}.{f}" for op in ev.COLLECTIVE_OPS
       for f in ("latency_s", "busbw", "bytes", "count")),
@@ -50,6 +51,11 @@ def sample_steps(first: int, last: int, n: int) -> list[int]:
 def _p50(per_step: dict[int, Stats], steps: list[int]) -> Series:
     xs = [s for s in steps if s in per_step]
     return Series(xs, [per_step[s].p50 for s in xs])
+
+
+def _mean(per_step: dict[int, Stats], steps: list[int]) -> Series:
+    xs = [s for s in steps if s in per_step]
+    return Series(xs, [per_step[s].mean for s in xs])
 
 
 def run_view(
@@ -84,6 +90,12 @@ def run_view(
     view.step_time = _p50(got.get("step_time_s", none), st)
     view.exposed_comm = _p50(got.get("exposed_comm_s", none), st)
     view.phases = {p: _p50(got[f"phase.{p}"], st) for p in ev.PHASES if got.get(f"phase.{p}")}
+    # The stack of exclusive parts: means over ranks, which add up to the mean step time.
+    view.parts = {p: _mean(got[f"part.{p}"], st) for p in ev.STEP_PARTS
+                  if got.get(f"part.{p}")}  # fmt: skip
+    if view.parts:
+        view.step_time_mean = _mean(got.get("step_time_s", none), st)
+        view.hidden_comm = _mean(got.get("hidden_comm_s", none), st)
     view.offload = {d: _p50(got[f"offload.{d}.bandwidth"], st) for d in ("d2h", "h2d")
                     if got.get(f"offload.{d}.bandwidth")}  # fmt: skip
     view.grad_norm = _p50(got.get("grad_norm", none), st)
@@ -189,6 +201,7 @@ def run_summary(
         parts={p: float(v) for p, v in c["parts_s"].items() if v is not None},
         hidden_comm_s=c["hidden_comm_s"],
         step_time_s=c["step_time_s"],
+        step_time_mean_s=c.get("step_time_mean_s"),
         samples_per_s=c["samples_per_s"],
     )  # fmt: skip
     return run, summary

@@ -8,6 +8,7 @@ run, whatever the world size.
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -27,6 +28,10 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _mean(values: list[float]) -> float | None:
+    return math.fsum(values) / len(values) if values else None
+
+
 def summary(conn: Connection, row: Any, *, metrics: list[str], window: int) -> dict[str, Any]:
     """One run's compare entry (see `compare`)."""
     pk = int(row.id)
@@ -44,6 +49,7 @@ def summary(conn: Connection, row: Any, *, metrics: list[str], window: int) -> d
         "memory_peak_bytes": None,
         "comm_bytes_per_step": {"measured": {}, "theory": dict(row.theory_comm or {})},
         "step_time_s": None,
+        "step_time_mean_s": None,
         "exposed_comm_s": None,
         "hidden_comm_s": None,
         "busy_s": None,
@@ -68,6 +74,9 @@ def summary(conn: Connection, row: Any, *, metrics: list[str], window: int) -> d
     def p50s(name: str) -> list[float]:
         return [st.p50 for st in got[name].values()]
 
+    def means(name: str) -> list[float]:
+        return [st.mean for st in got[name].values()]
+
     out["steps_compared"] = len(got["step_time_s"])
     out["window"] = [steps[0], steps[-1]]
     for name in ("step_time_s", "exposed_comm_s", "hidden_comm_s", "busy_s"):
@@ -75,7 +84,10 @@ def summary(conn: Connection, row: Any, *, metrics: list[str], window: int) -> d
     for name in ("samples_per_s", "tokens_per_s"):  # the job's: the sum over ranks
         out[name] = _median([st.mean * st.n for st in got[name].values()])
     out["phases_s"] = {p: _median(p50s(f"phase.{p}")) for p in ev.PHASES if got[f"phase.{p}"]}
-    out["parts_s"] = {p: _median(p50s(f"part.{p}")) for p in ev.STEP_PARTS if got[f"part.{p}"]}
+    # Parts are stacked: means add up (over ranks and over steps) where medians do not, so
+    # the parts' means sum to the mean step time, given beside them.
+    out["step_time_mean_s"] = _mean(means("step_time_s"))
+    out["parts_s"] = {p: _mean(means(f"part.{p}")) for p in ev.STEP_PARTS if got[f"part.{p}"]}
     newest = max(got["memory.state"], default=None)
     if newest is not None:
         measured = {
@@ -106,7 +118,9 @@ def compare(
     total (p50 over ranks at the newest step) next to the theory; the highest memory peak
     of any rank in the window; bytes per step of each collective op (median of the p50s,
     nccl-tests size) next to the theory; step time, exposed and hidden communication, busy
-    time, each phase and each exclusive part (medians of the p50s); the job's samples/s
+    time and each phase (medians of the p50s); each exclusive part and the step time as
+    means over ranks and steps (`parts_s`, `step_time_mean_s`: a stack of the parts meets
+    the mean step time); the job's samples/s
     and tokens/s (medians of the per-step sums over ranks); and the median of the p50s of
     each extra metric in `metrics`.
 

@@ -95,3 +95,41 @@ def test_run_summary_averages_the_newest_steps(stored):
     )
     assert pq.run_summary(db=db, run_id="nope") is None
     assert pq.run_view(db=db, run_id="nope") is None
+
+
+def test_the_run_page_stacks_exclusive_parts_that_meet_the_step_time(stored):
+    from zerowatch.dashboards.run import figures
+
+    db, rc, events = stored
+    view = pq.run_view(db=db, run_id=rc.run_id)
+    assert view is not None and set(view.parts) == set(ev.STEP_PARTS)
+    at5 = [e for e in events if e.step == 5]
+    mean5 = statistics.fmean(e.step_time_s for e in at5)
+    assert view.step_time_mean.values[5] == pytest.approx(mean5)
+    assert sum(s.values[5] for s in view.parts.values()) == pytest.approx(mean5, rel=1e-9)
+    assert view.hidden_comm.values[5] == pytest.approx(
+        statistics.fmean(e.hidden_comm_s for e in at5)
+    )
+    # The figure: the stack is the parts only (no nested phase), and its height is the line.
+    fig = figures(view)["breakdown"]
+    stacked = [t for t in fig.data if t.stackgroup == "parts"]
+    assert len(stacked) == len(ev.STEP_PARTS)
+    line = next(t for t in fig.data if t.name == "step time")
+    for i in range(len(view.steps)):
+        assert sum(t.y[i] for t in stacked) == pytest.approx(line.y[i], rel=1e-9)
+    assert any(t.name.startswith("hidden communication") and t.stackgroup is None for t in fig.data)
+
+
+def test_compare_stacks_parts_that_meet_the_mean_step_time(stored):
+    from zerowatch.dashboards.compare import step_phases
+
+    db, rc, _ = stored
+    got = pq.run_summary(db=db, run_id=rc.run_id)
+    assert got is not None
+    _, summary = got
+    assert set(summary.parts) == set(ev.STEP_PARTS)
+    assert sum(summary.parts.values()) == pytest.approx(summary.step_time_mean_s, rel=1e-9)
+    fig = step_phases([summary])
+    bars = [t for t in fig.data if t.type == "bar"]
+    marker = next(t for t in fig.data if t.type == "scatter")
+    assert sum(b.y[0] for b in bars) == pytest.approx(marker.y[0], rel=1e-9)
