@@ -72,6 +72,8 @@ class Change:
     offload_optimizer: bool = False
     offload_param: bool = False
     bucket: tuple[str, int] | None = None
+    #: The op whose calls the bucket size sets (default: from the key and the stage).
+    bucket_op: str | None = None
 
     def fragment(self, current: Measured) -> dict[str, Any]:
         """The DeepSpeed JSON fragment to paste."""
@@ -171,8 +173,8 @@ def predict(m: Measured, change: Change) -> Prediction:
     basis: dict[str, float] = {"state_overhead": overhead}
     if change.bucket is not None:
         key, size = change.bucket
-        op = "reduce_scatter" if key == "reduce_bucket_size" else "all_gather"
-        if m.stage == 0 and key == "reduce_bucket_size":
+        op = change.bucket_op or ("reduce_scatter" if key == "reduce_bucket_size" else "all_gather")
+        if change.bucket_op is None and m.stage == 0 and key == "reduce_bucket_size":
             op = "all_reduce"
         delta, alpha, beta = _bucket_delta(m, op, size)
         basis.update(alpha_s=alpha, beta_bytes_per_s=beta)

@@ -112,6 +112,12 @@ def straggler(e: Evidence, s: DoctorSettings) -> list[Finding]:
     part = max(excess, key=lambda k: excess[k]) if excess else "compute"
     phase = max((n for n in by_metric if RANK_PARTS[n] == part), key=lambda n: by_metric[n],
                 default=None)  # fmt: skip
+    # The rank's own phase that grew most, against its busy excess: a rank slower in its
+    # own work explains most of it; one that only waits less in communication (ranks out
+    # of phase over many collectives) does not, and is reported as info.
+    busy_excess = worst["mean"] - median
+    own = max((v for n, v in by_metric.items() if RANK_PARTS[n] == "compute"), default=0.0)
+    explained = own / busy_excess if busy_excess > 0 else 0.0
     hosts = {e.hosts.get(int(o["rank"])) for o in slow}
     node = (len(slow) >= 2 and len(hosts) == 1 and None not in hosts
             and len(slow) < int(e.run["world_size"]))  # fmt: skip
@@ -131,12 +137,22 @@ def straggler(e: Evidence, s: DoctorSettings) -> list[Finding]:
     return [
         Finding(
             kind="straggler",
-            severity="critical" if ratio > s.straggler_critical_ratio else "warning",
+            severity="info"
+            if part == "communication" or explained < 0.5
+            else "critical"
+            if ratio > s.straggler_critical_ratio
+            else "warning",
             ranks=ranks,
             steps=e.window,
             message=f"{where} is {ratio:.2f}x the median rank's busy time "
             f"({fmt_seconds(worst['mean'])} vs {fmt_seconds(median)}); the excess is in "
-            f"{part}{detail}. Every other rank waits for it in each collective.",
+            f"{part}{detail}. "
+            + (
+                "Every other rank waits for it in each collective."
+                if explained >= 0.5
+                else f"Its own phases explain only {_pct(max(explained, 0.0))} of it: the "
+                "ranks rather wait for each other unevenly in communication."
+            ),
             suggestion=suggestion,
             evidence={
                 "part": part,
@@ -144,6 +160,7 @@ def straggler(e: Evidence, s: DoctorSettings) -> list[Finding]:
                 "busy_s": worst["mean"],
                 "median_busy_s": median,
                 "excess_s": excess,
+                "explained_share": explained,
                 "by_metric_s": by_metric,
                 "outliers": e.busy_outliers[:4],
             },
@@ -280,7 +297,7 @@ def exposed_communication(e: Evidence, s: DoctorSettings) -> list[Finding]:
             steps=e.window,
             message=f"{_pct(share)} of the step ({fmt_seconds(exposed)} of "
             f"{fmt_seconds(step)}) is communication that compute does not hide"
-            + (f", mostly {top[0]} ({fmt_seconds(ops[top[0]]['seconds'])} a step)" if top else "")
+            + (f", most of it in {top[0]}" if top else "")
             + ".",
             suggestion="; ".join(t for t in tips if t).capitalize() + ".",
             evidence={
@@ -333,6 +350,7 @@ def latency_bound_collectives(e: Evidence, s: DoctorSettings) -> list[Finding]:
                     offload_optimizer=m.offload_optimizer,
                     offload_param=m.offload_param,
                     bucket=(key, new),
+                    bucket_op=op,
                 ),
             )
             prediction = got.to_dict(m)

@@ -1,0 +1,264 @@
+"""The doctor on simulated runs (zerowatch.simulate written through the store): each kind of
+finding fires on the run made to show it and not on a clean one, the prediction points the
+right way, and a 4,096-rank run's findings answer in well under a second."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from zerowatch.server import store
+from zerowatch.server.db import Database
+from zerowatch.server.read import doctor
+from zerowatch.server.read.doctor_settings import DoctorSettings, DoctorSettingsError
+from zerowatch.server.read.rollups import Compactor
+
+from zerowatch import events as ev
+from zerowatch import predict, simulate
+
+Mutate = Callable[[ev.StepEvent], ev.StepEvent]
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Iterator[Database]:
+    database = Database.open(f"sqlite:///{tmp_path / 'z.db'}")
+    yield database
+    database.close()
+
+
+def _store(db: Database, spec: simulate.SimSpec, n: int = 30, mutate: Mutate | None = None) -> str:
+    rc = simulate.run_create(spec)
+    store.create_run(db, run=rc)
+    for events in simulate.steps(spec, n):
+        if mutate is not None:
+            events = [mutate(e) for e in events]
+        store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, events))
+    Compactor(db).flush()
+    return rc.run_id
+
+
+def _found(db: Database, run_id: str) -> list[dict]:
+    out = doctor.findings(db=db, run_id=run_id)
+    assert out is not None
+    return out["findings"]
+
+
+def _kinds(found: list[dict], *, at_least: str = "warning") -> set[str]:
+    levels = doctor.SEVERITIES[: doctor.SEVERITIES.index(at_least) + 1]
+    return {f["kind"] for f in found if f["severity"] in levels}
+
+
+SPEC = simulate.SimSpec(world_size=8, stage=2, num_params=50_000_000, spans_every=0)
+
+
+def test_a_clean_run_has_no_warning_or_critical_finding(db: Database) -> None:
+    found = _found(db, _store(db, SPEC))
+    assert _kinds(found) == set(), found
+    assert [f["severity"] for f in found] == sorted(
+        (f["severity"] for f in found), key=doctor.SEVERITIES.index
+    )
+
+
+def test_an_unknown_run_has_no_findings(db: Database) -> None:
+    assert doctor.findings(db=db, run_id="nope") is None
+
+
+def test_a_straggler_rank_is_named_with_its_host_and_the_compute_part(db: Database) -> None:
+    found = _found(db, _store(db, dataclasses.replace(SPEC, straggler_rank=5,
+                                                      straggler_factor=1.5)))  # fmt: skip
+    (f,) = [f for f in found if f["kind"] == "straggler"]
+    assert f["severity"] == "warning" and f["ranks"] == [5]
+    assert f["evidence"]["part"] == "compute" and "sim-node-0000" in f["message"]
+    assert f["chart"] == "ranks"
+
+
+def test_time_between_steps_on_every_rank_is_an_input_stall(db: Database) -> None:
+    # Each event ends later than its step alone would: 0.3 s a step outside the engine.
+    def slow_input(e: ev.StepEvent) -> ev.StepEvent:
+        return dataclasses.replace(e, time=e.time + 0.3 * e.step)
+
+    found = _found(db, _store(db, SPEC, mutate=slow_input))
+    assert _kinds(found) == {"input_stall"}, found
+    (f,) = [f for f in found if f["kind"] == "input_stall"]
+    assert f["severity"] == "critical" and f["evidence"]["share_by_rank"]
+
+
+def test_one_rank_starting_late_is_a_straggler_in_input(db: Database) -> None:
+    def late(e: ev.StepEvent) -> ev.StepEvent:
+        return dataclasses.replace(e, time=e.time + 0.3 * e.step) if e.rank == 3 else e
+
+    # Rank 3 is not sampled unless the others wait for it: its exposed comm is the lowest.
+    def lowest_exposed(e: ev.StepEvent) -> ev.StepEvent:
+        e = late(e)
+        return dataclasses.replace(e, exposed_comm_s=e.exposed_comm_s * (0.1 if e.rank == 3
+                                                                          else 1.0))  # fmt: skip
+
+    found = _found(db, _store(db, SPEC, mutate=lowest_exposed))
+    (f,) = [f for f in found if f["kind"] == "straggler"]
+    assert f["ranks"] == [3] and f["evidence"]["part"] == "input"
+    assert "input_stall" not in _kinds(found)
+
+
+def test_exposed_communication_fires_above_its_share(db: Database) -> None:
+    def exposed(e: ev.StepEvent) -> ev.StepEvent:
+        return dataclasses.replace(e, exposed_comm_s=0.6 * e.step_time_s)
+
+    found = _found(db, _store(db, SPEC, mutate=exposed))
+    assert _kinds(found) == {"exposed_communication"}, found
+
+
+def _many_small(op: str, calls: int, msg: int, busbw: float) -> ev.CollectiveStats:
+    lat = msg * calls / busbw
+    return ev.CollectiveStats(op=op, purpose="grad_reduce", count=calls, bytes=msg * calls,  # type: ignore[arg-type]
+                              latency_sum_s=lat, latency_max_s=lat / calls,
+                              buckets=[0] * (len(ev.LATENCY_BUCKETS) + 1), world_size=8,
+                              algbw_bytes_per_s=busbw, busbw_bytes_per_s=busbw)  # fmt: skip
+
+
+def test_many_small_slow_collectives_are_latency_bound_with_a_bucket_prediction(
+    db: Database,
+) -> None:
+    def small(e: ev.StepEvent) -> ev.StepEvent:
+        return dataclasses.replace(e, collectives=[
+            _many_small("reduce_scatter", 200, 64 << 10, 1e9),
+            _many_small("all_gather", 4, 64 << 20, 20e9),
+        ])  # fmt: skip
+
+    found = _found(db, _store(db, SPEC, mutate=small))
+    (f,) = [f for f in found if f["kind"] == "latency_bound_collectives"]
+    assert f["severity"] == "warning" and f["evidence"]["op"] == "reduce_scatter"
+    assert "reduce_bucket_size" in f["prediction"]["config"]["zero_optimization"]
+    assert f["prediction"]["step_time_s"] < f["prediction"]["step_time_now_s"]
+    clean = _found(db, _store(db, SPEC))
+    assert "latency_bound_collectives" not in _kinds(clean, at_least="info")
+
+
+def test_memory_near_capacity_is_a_headroom_finding(db: Database) -> None:
+    # 7B parameters at stage 0 hold 16 bytes each per rank: far beyond 80 GiB.
+    big = dataclasses.replace(SPEC, stage=0, num_params=7_000_000_000)
+    found = _found(db, _store(db, big, n=12))
+    (f,) = [f for f in found if f["kind"] == "memory_headroom"]
+    assert f["severity"] == "critical" and f["chart"] == "memory"
+    lean = [f for f in found if f["kind"] == "stage_choice"]
+    assert (
+        lean
+        and lean[0]["prediction"]["model_state_bytes"]
+        < (lean[0]["prediction"]["model_state_now_bytes"])
+    )
+
+
+def test_offload_bandwidth_falling_below_its_earlier_level(db: Database) -> None:
+    spec = dataclasses.replace(SPEC, offload_optimizer=True)
+
+    def slower(e: ev.StepEvent) -> ev.StepEvent:
+        if e.step < 60:
+            return e
+        return dataclasses.replace(e, offload=[dataclasses.replace(
+            o, seconds=o.seconds * 5, bandwidth_bytes_per_s=o.bandwidth_bytes_per_s / 5)
+            for o in e.offload])  # fmt: skip
+
+    found = _found(db, _store(db, spec, n=100, mutate=slower))
+    assert {f["evidence"]["direction"] for f in found if f["kind"] == "offload_bandwidth"} == {
+        "d2h",
+        "h2d",
+    }
+    assert "offload_bandwidth" not in _kinds(_found(db, _store(db, spec, n=100)))
+
+
+def test_a_collapsing_fp16_loss_scale_and_skipped_steps(db: Database) -> None:
+    spec = dataclasses.replace(SPEC, precision="fp16")
+
+    def collapse(e: ev.StepEvent) -> ev.StepEvent:
+        scale = max(65536.0 / 2**e.step, 1.0)
+        return dataclasses.replace(e, loss_scale=scale, skipped=True, nonfinite=True)
+
+    found = _found(db, _store(db, spec, mutate=collapse))
+    assert _kinds(found) == {"loss_scale"}, found  # skipped overflows are not "nonfinite"
+    assert found[0]["kind"] == "loss_scale" and found[0]["severity"] == "critical"
+    assert "loss_scale" not in _kinds(_found(db, _store(db, spec)), at_least="info")
+
+
+def test_a_grad_norm_spike_names_its_step(db: Database) -> None:
+    found = _found(db, _store(db, dataclasses.replace(SPEC, grad_spike_at=20)))
+    (f,) = [f for f in found if f["kind"] == "grad_norm_spike"]
+    assert f["steps"] == [20, 20] and f["severity"] == "warning"
+
+
+def test_nonfinite_steps_that_were_not_skipped_are_critical(db: Database) -> None:
+    def nan(e: ev.StepEvent) -> ev.StepEvent:
+        return dataclasses.replace(e, nonfinite=e.step >= 25, grad_norm=None) if e.step >= 25 else e
+
+    found = _found(db, _store(db, SPEC, mutate=nan))
+    assert found[0]["kind"] == "nonfinite" and found[0]["severity"] == "critical"
+    assert found[0]["steps"] == [25, 29]
+
+
+def test_stage_3_on_a_comm_bound_run_suggests_a_lower_stage_with_a_paste_able_config(
+    db: Database,
+) -> None:
+    def comm_bound(e: ev.StepEvent) -> ev.StepEvent:
+        return dataclasses.replace(e, exposed_comm_s=0.45 * e.step_time_s)
+
+    found = _found(db, _store(db, dataclasses.replace(SPEC, stage=3), mutate=comm_bound))
+    (f,) = [f for f in found if f["kind"] == "stage_choice"]
+    pred = f["prediction"]
+    assert pred["config"]["zero_optimization"]["stage"] < 3
+    assert pred["step_time_s"] < pred["step_time_now_s"]
+    assert pred["model_state_bytes"] > pred["model_state_now_bytes"]  # fewer shards
+
+
+def test_predictions_point_the_right_way_on_a_small_model() -> None:
+    """The direction of each change (the bench checks the magnitudes on real runs)."""
+    m = predict.Measured(
+        num_params=10_000_000, world_size=4, stage=2, step_time_s=0.2, exposed_comm_s=0.05,
+        optimizer_s=0.02, comm_s={"reduce_scatter": 0.04, "all_gather": 0.03},
+        busbw={"reduce_scatter": 0.5e9, "all_gather": 2e9},
+        calls={"reduce_scatter": 100, "all_gather": 2},
+        comm_bytes={"reduce_scatter": 4e7, "all_gather": 4e7},
+        model_state_bytes=theory_bytes(10_000_000, 4, 2), device="cpu",
+    )  # fmt: skip
+
+    def p(**kw: object) -> predict.Prediction:
+        return predict.predict(m, predict.Change(**kw))  # type: ignore[arg-type]
+
+    s1, s3 = p(stage=1), p(stage=3)
+    assert s3.step_time_s > m.step_time_s and s3.model_state_bytes < m.model_state_bytes
+    assert s1.model_state_bytes > m.model_state_bytes
+    off = p(stage=2, offload_optimizer=True)
+    assert off.step_time_s > m.step_time_s and off.model_state_bytes < m.model_state_bytes
+    bigger = p(stage=2, bucket=("reduce_bucket_size", 5_000_000))
+    assert bigger.step_time_s < m.step_time_s
+    assert bigger.change.fragment(m) == {"zero_optimization": {"reduce_bucket_size": 5_000_000}}
+    back = predict.predict(dataclasses.replace(m, stage=3, model_state_bytes=s3.model_state_bytes),
+                           predict.Change(stage=2))  # fmt: skip
+    assert back.model_state_bytes == pytest.approx(m.model_state_bytes, rel=0.01)
+
+
+def theory_bytes(psi: int, n: int, stage: int) -> float:
+    from zerowatch import theory
+
+    return float(theory.model_state_bytes(psi, n, stage).device_total)
+
+
+def test_settings_name_the_field_at_fault() -> None:
+    with pytest.raises(DoctorSettingsError, match="straggler_ratio"):
+        DoctorSettings(straggler_ratio=0.9)
+    with pytest.raises(DoctorSettingsError, match="exposed_comm_share"):
+        DoctorSettings(exposed_comm_share=2.0)
+
+
+def test_a_4096_rank_run_answers_in_well_under_a_second(db: Database) -> None:
+    spec = dataclasses.replace(SPEC, world_size=4096, stage=3, straggler_rank=3001,
+                               straggler_factor=1.5, ranks_per_host=8)  # fmt: skip
+    run_id = _store(db, spec, n=12)
+    doctor.findings(db=db, run_id=run_id)  # warm the connection pool and caches
+    t0 = time.perf_counter()
+    found = _found(db, run_id)
+    elapsed = time.perf_counter() - t0
+    print(f"4,096-rank findings: {elapsed * 1000:.0f} ms")
+    assert elapsed < 0.5, elapsed
+    (f,) = [f for f in found if f["kind"] == "straggler"]
+    assert f["ranks"] == [3001]
