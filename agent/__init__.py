@@ -5,7 +5,8 @@ rank and ships it to the server (or to a local spool) without ever holding up tr
     model    recorder.py  one step's measurements -> events.StepEvent; flops.py (MFU)
     ship     transport.py background shipper; client.py the HTTP ingest client
     store    spool.py     durable on-disk spool; upload.py sends a spool later
-    seam     adapters/    one small Protocol per engine (the bundled ZeRO engine today)
+    seam     adapters/    one small Protocol, one file per engine: the bundled ZeRO engine,
+                          DeepSpeed, FSDP2 (picked by `instrument()` from what it is given)
 
 Importing this package does not import torch; `instrument` does, lazily.
 """

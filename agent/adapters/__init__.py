@@ -1,8 +1,12 @@
 """Engine adapters: `select_adapter(obj)` picks the one that understands `obj`.
 
-One file per engine; each exposes `matches(obj) -> bool` and an adapter class satisfying
-`EngineAdapter`. DeepSpeed and FSDP2 adapters slot in here as `deepspeed.py` and
-`fsdp2.py` (tried before the bundled engine's duck-typed match).
+One file per engine, each exposing `matches(obj) -> bool` and an adapter class satisfying
+`EngineAdapter` (base.py): `zerowatch_engine.py` (the bundled engine, which reports its own
+phases and collectives), `deepspeed.py` and `fsdp2.py` (tried first, before the bundled
+engine's duck-typed match; they hook the engine's public surface, share `foreign.py`, and
+see collectives through `dist_wrap.py`). The DeepSpeed and FSDP2 adapters import torch and
+load on first use; none of them loads the bundled engine (only its observer interface,
+zerowatch.engine.hooks).
 """
 
 from __future__ import annotations

@@ -7,11 +7,45 @@ announcer of phase boundaries), flat (segments), params_replicated / params_shar
 (parameter owners), reducers (gradient reducers), stages (which parts make each stage),
 optim (master weights and the step), precision (loss scaling), schedulers, checkpoint,
 engine (the facade).
+
+Importing this package imports nothing of the engine: the names below load on first use
+(module `__getattr__`), so that `zerowatch.engine.hooks`, the observer interface the agent's
+DeepSpeed and FSDP2 adapters speak, comes without the engine and its torch modules.
 """
 
-from zerowatch.engine.engine import ZeroEngine, initialize
-from zerowatch.engine.hooks import CollectiveRecord, CommObserver, ObserverRegistry, PhaseObserver
-from zerowatch.engine.optim import StepStats
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from zerowatch.engine.engine import ZeroEngine, initialize
+    from zerowatch.engine.hooks import (
+        CollectiveRecord,
+        CommObserver,
+        ObserverRegistry,
+        PhaseObserver,
+    )
+    from zerowatch.engine.optim import StepStats
+
+#: Public name -> the module of this package that defines it.
+_HOME = {
+    "CollectiveRecord": "hooks",
+    "CommObserver": "hooks",
+    "ObserverRegistry": "hooks",
+    "PhaseObserver": "hooks",
+    "StepStats": "optim",
+    "ZeroEngine": "engine",
+    "initialize": "engine",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'zerowatch.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"zerowatch.engine.{home}"), name)
+
 
 __all__ = [
     "CollectiveRecord",

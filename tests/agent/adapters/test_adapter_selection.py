@@ -74,3 +74,19 @@ def test_selecting_an_adapter_never_imports_deepspeed() -> None:
         "assert 'deepspeed' not in sys.modules, 'deepspeed imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("adapter", ["deepspeed", "fsdp2"])
+def test_foreign_adapters_never_load_the_bundled_engine(adapter: str) -> None:
+    """Instrumenting a DeepSpeed or FSDP2 job needs the observer interface (engine/hooks.py),
+    not the bundled engine: importing zerowatch.engine runs none of it."""
+    code = (
+        f"import sys, zerowatch.agent.adapters.{adapter}\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('zerowatch.engine.'))\n"
+        "assert loaded == ['zerowatch.engine.hooks'], loaded\n"
+        "from zerowatch.engine import CollectiveRecord, initialize\n"  # still there on demand
+        "assert 'zerowatch.engine.engine' in sys.modules\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
