@@ -10,7 +10,6 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
-from starlette.concurrency import run_in_threadpool
 from zerowatch.server import read, store
 from zerowatch.server.body import BodyRoute
 from zerowatch.server.deps import DbDep, SettingsDep, require_read, require_write
@@ -261,7 +260,7 @@ def heatmap(
 @router.get("/runs/{run_id}/findings", dependencies=Read, tags=["doctor"])
 def findings(run_id: RunId, db: DbDep) -> dict[str, Any]:
     """What is wrong with a run and what to change (the doctor), most severe first."""
-    return _found(doctor.findings(db=db, run_id=run_id), run_id)
+    return _of_run(doctor.findings, run_id, db=db)
 
 
 @router.get("/compare", dependencies=Read, tags=["series"])
@@ -312,7 +311,7 @@ def trace(
 @router.get(
     "/alerts/rules.yml", dependencies=Read, tags=["alerts"], response_class=PlainTextResponse
 )
-async def alert_rules() -> PlainTextResponse:
+def alert_rules() -> PlainTextResponse:
     """The Prometheus recording and alerting rules (default settings), as YAML."""
     try:
         from zerowatch.alerts import AlertSettings, render_rules
@@ -320,8 +319,7 @@ async def alert_rules() -> PlainTextResponse:
         raise HTTPException(
             503, f"alert rules are not available in this installation: {e}"
         ) from None
-    text = await run_in_threadpool(lambda: render_rules(AlertSettings()))
-    return PlainTextResponse(text, media_type="application/yaml")
+    return PlainTextResponse(render_rules(AlertSettings()), media_type="application/yaml")
 
 
 __all__ = ["router"]

@@ -1,11 +1,14 @@
 """The HTML pages: runs, one run (live), compare, the capacity planner; and the files they
 load (plotly.js from the installed plotly package, the page script and style, the icon).
 
-Routes are thin: read plain data (server.queries, server.page_queries, zerowatch.plan), build
+Routes are thin: read plain data (server.read, server.page_queries, zerowatch.plan), build
 figures (zerowatch.dashboards), render a template (dashboards.html, autoescaped). Pages take
 the same read token rule as the JSON API. A live run's page polls
 `/runs/{run_id}/figures.json?since=<last step>`, which answers with fresh figures only when
 new steps arrived, and the page hands them to Plotly.react (an update, not a redraw).
+
+Routes are plain `def`: queries, figures and templates are CPU and database work, which
+FastAPI runs in its thread pool, so ingest and /metrics are not held up while a page is built.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from urllib.parse import quote
 import plotly
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
-from starlette.concurrency import run_in_threadpool
 from zerowatch.dashboards import compare as compare_figs
 from zerowatch.dashboards import html
 from zerowatch.dashboards import plan as plan_figs
@@ -189,14 +191,8 @@ def _view(db: Any, settings: Any, run_id: str) -> RunView | None:
 
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
-async def run_page(run_id: str, db: DbDep, settings: SettingsDep) -> HTMLResponse:
+def run_page(run_id: str, db: DbDep, settings: SettingsDep) -> HTMLResponse:
     """One run: step breakdown, collectives, memory, offload, training signals, ranks."""
-    # Queries, figures and the template are CPU work: off the event loop, so ingest and
-    # /metrics are not held up while a page is built.
-    return await run_in_threadpool(_run_page, db, settings, run_id)
-
-
-def _run_page(db: Any, settings: Any, run_id: str) -> HTMLResponse:
     view = _view(db, settings, run_id)
     if view is None:
         return _not_found("Run not found", f"No run with id {run_id!r} is stored here.")
@@ -232,17 +228,13 @@ def _run_page(db: Any, settings: Any, run_id: str) -> HTMLResponse:
 
 
 @router.get("/runs/{run_id}/figures.json")
-async def run_figures(
+def run_figures(
     run_id: str,
     db: DbDep,
     settings: SettingsDep,
     since: Annotated[int, Query(ge=-1, le=2**62)] = -1,
 ) -> JSONResponse:
     """A run's figures for a live page: new figures only when steps after `since` arrived."""
-    return await run_in_threadpool(_run_figures, db, settings, run_id, since)
-
-
-def _run_figures(db: Any, settings: Any, run_id: str, since: int) -> JSONResponse:
     view = _view(db, settings, run_id)
     if view is None:
         return JSONResponse({"detail": f"run {run_id!r} not found"}, status_code=404)
@@ -277,17 +269,13 @@ def _summaries(db: Any, settings: Any, ids: list[str]) -> tuple[list[Any], list[
 
 
 @router.get("/compare", response_class=HTMLResponse)
-async def compare_page(
+def compare_page(
     db: DbDep,
     settings: SettingsDep,
     runs: Annotated[list[str] | None, Query(max_length=4000)] = None,
 ) -> HTMLResponse:
     """Runs side by side: model-state bytes, bytes communicated, phases, throughput."""
     ids = _run_ids(runs or [])[:MAX_COMPARE]
-    return await run_in_threadpool(_compare_page, db, settings, ids)
-
-
-def _compare_page(db: Any, settings: Any, ids: list[str]) -> HTMLResponse:
     found, missing = _summaries(db, settings, ids)
     summaries = [s for _, s in found]
     figures = compare_figs.figures(summaries) if summaries else {}
