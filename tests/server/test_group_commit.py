@@ -144,10 +144,11 @@ def test_a_cancelled_request_still_stores_its_batch_and_the_writer_goes_on(
 ) -> None:
     rc = stored_run(db)
     ingestor = Ingestor(db)
-    release = threading.Event()
+    writing, release = threading.Event(), threading.Event()
     write_group = ingestor._write_group
 
-    def held(group):  # the first group waits until the test lets it go
+    def held(group):  # the first group says it is being written, then waits for the test
+        writing.set()
         release.wait(10)
         write_group(group)
 
@@ -156,7 +157,8 @@ def test_a_cancelled_request_still_stores_its_batch_and_the_writer_goes_on(
     async def scenario() -> store.IngestResult | None:
         first = asyncio.ensure_future(ingestor.submit_async(
             run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, [simulate.step_event(SPEC, 0, 0)])))  # fmt: skip
-        await asyncio.sleep(0.05)
+        # The cancel lands while the writer holds the batch, whatever the machine's speed.
+        assert await asyncio.to_thread(writing.wait, 10), "the writer never took the batch"
         first.cancel()  # the client went away while its batch was being written
         release.set()
         with pytest.raises(asyncio.CancelledError):

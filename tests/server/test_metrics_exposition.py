@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from support.server_api import create_sim_run, post_events
+from zerowatch.server import metrics as metrics_module
 from zerowatch.server import store
 from zerowatch.server.app import create_app
 from zerowatch.server.db import Database
@@ -100,19 +103,25 @@ def test_the_sum_stat_of_throughput_is_the_jobs_throughput(tmp_path: Path) -> No
     assert with_sum == {ev.METRICS["samples_per_second"], ev.METRICS["tokens_per_second"]}
 
 
-def test_finished_runs_leave_after_the_grace_period(tmp_path: Path) -> None:
-    settings = Settings(db_url=f"sqlite:///{tmp_path / 'z.db'}", finished_grace_s=1.0)
+def test_finished_runs_leave_after_the_grace_period(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = Settings(db_url=f"sqlite:///{tmp_path / 'z.db'}", finished_grace_s=60.0)
     with TestClient(create_app(settings)) as client:
         spec = simulate.SimSpec(world_size=1)
         rid = create_sim_run(client, spec)
         post_events(client, rid, next(simulate.steps(spec, 1)))
         end = ev.EndEvent(rank=0, seq=1, time=time.time(), status="finished")
         post_events(client, rid, [end])
-        assert client.get(f"/api/v1/runs/{rid}").json()["status"] == "finished"
+        run = client.get(f"/api/v1/runs/{rid}").json()
+        assert run["status"] == "finished"
         s = _samples(client.get("/metrics").text)
         assert s["zerowatch_run_running"][0].value == 0.0
-        time.sleep(1.3)
-        assert rid not in client.get("/metrics").text
+        # /metrics reads the clock once per scrape: scrape at chosen times, not after a sleep.
+        ended = run["ended_at"]
+        for at, shown in ((ended + 59.0, True), (ended + 61.0, False)):
+            monkeypatch.setattr(metrics_module, "time", SimpleNamespace(time=lambda at=at: at))
+            assert (rid in client.get("/metrics").text) is shown, at - ended
 
 
 def test_a_restarted_server_exposes_live_runs_again(tmp_path: Path) -> None:
