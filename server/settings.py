@@ -8,7 +8,7 @@ caches that so the app, `/metrics` and the pages agree on one object.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Any
 
@@ -91,10 +91,6 @@ class Settings:
             values[f.name] = _parse(f.name, raw, cls.__dataclass_fields__[f.name].default)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
-
-    def with_(self, **changes: Any) -> Settings:
-        """A copy with some settings changed."""
-        return replace(self, **changes)
 
 
 def _parse(name: str, raw: str, default: Any) -> Any:

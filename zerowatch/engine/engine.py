@@ -10,11 +10,17 @@ The engine composes one stage from a parameter owner, a gradient reducer and the
 weights (stages.py, optim.py); it moves nothing itself. Everything it communicates goes
 through `comm.Comm`, every phase boundary through `phases.Phases`, and observers attach
 with `add_observer` (see hooks.py).
+
+The parts hook the model (gradient hooks on its parameters, forward hooks on its modules at
+stage 3). They come off again with `engine.destroy()` (DeepSpeed's name), when the engine is
+garbage-collected, and when the same model is wrapped by a new engine, so that a discarded
+engine never reduces a gradient or gathers a parameter again.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -135,6 +141,7 @@ class ZeroEngine:
 
         params, options = _param_groups(module, model_parameters, optimizer)
         self.num_parameters = sum(p.numel() for _, p, _ in params)
+        self._unwrap_earlier(module)
         module.to(device=self.device)
         if self.dtype != torch.float32:
             for t in [*module.parameters(), *module.buffers()]:
@@ -144,6 +151,10 @@ class ZeroEngine:
 
         self.parts = compose(self.zero_stage, module, params, zc, self.comm, self.phases,
                              device=self.device, dtype=self.dtype)  # fmt: skip
+        # Called by destroy(), or when this engine is collected: it holds the parts, not
+        # the engine, so it does not keep a discarded engine alive.
+        self._unhook = weakref.finalize(self, self.parts.remove_hooks)
+        self._unhook.atexit = False  # nothing to undo in a process that is ending
         self.num_persistent_parameters = self.parts.persistent_numel
         self.offload_optimizer = zc.offload_optimizer.device == "cpu"
         self.offload_param = zc.offload_param.device == "cpu"
@@ -171,6 +182,26 @@ class ZeroEngine:
         self._step_open = False
         self._slots: dict[int, tuple[Segment, Slot, Any]] | None = None
         _gathered.register(self)
+
+    # -- life ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _unwrap_earlier(module: nn.Module) -> None:
+        """A model wrapped again: the earlier engine's hooks come off first (at stage 3 its
+        parameters live partitioned in that engine, so the model cannot be wrapped again)."""
+        for earlier in _gathered.engines_over(module):
+            if earlier.zero_stage == 3:
+                raise ValueError(
+                    "model: its parameters are partitioned by a live ZeRO-3 engine; wrap a "
+                    "fresh model (load the earlier engine's consolidated_state_dict() into it)"
+                )
+            earlier.destroy()
+
+    def destroy(self) -> None:
+        """Take the engine's hooks off the model: its forward and backward run none of this
+        engine's collectives afterwards. Idempotent; the engine is not usable after it."""
+        self._unhook()
+        _gathered.unregister(self)
 
     # -- observers ---------------------------------------------------------------------------
 

@@ -34,6 +34,15 @@ def register(engine: ZeroEngine) -> None:
     _ENGINES.add(engine)
 
 
+def unregister(engine: ZeroEngine) -> None:
+    _ENGINES.discard(engine)
+
+
+def engines_over(module: nn.Module) -> list[ZeroEngine]:
+    """The live engines that train `module` (an earlier wrap of the same model)."""
+    return [e for e in list(_ENGINES) if e.module is module]
+
+
 def _by_engine(params: list[nn.Parameter]) -> list[tuple[ZeroEngine, list[nn.Parameter]]]:
     out: list[tuple[ZeroEngine, list[nn.Parameter]]] = []
     for engine in list(_ENGINES):

@@ -59,5 +59,8 @@ class ReplicatedParams:
     def param_tensors(self) -> list[torch.Tensor]:
         return [self.flat_param]
 
+    def remove_hooks(self) -> None:
+        """Nothing to take off: replicated parameters need no hooks on the model."""
+
 
 __all__ = ["ReplicatedParams"]

@@ -275,19 +275,14 @@ class ShardedParams:
 
     # -- whole values (checkpoints, consolidated weights) ----------------------------------
 
-    def gather_full(self, values: torch.Tensor, seg: Segment) -> torch.Tensor:
-        """All-gather one rank-part tensor of `seg` (e.g. an fp32 master shard) to full."""
-        src = values.to(self.device)
-        out = torch.empty(seg.padded, device=self.device, dtype=src.dtype)
-        self.comm.all_gather(out, src, purpose="other").wait()
-        return out
-
     def param_tensors(self) -> list[torch.Tensor]:
         return [self.shard_buffer]
 
     def remove_hooks(self) -> None:
+        """Take the forward hooks off the model's modules (ZeroEngine.destroy)."""
         for h in self._hooks:
             h.remove()
+        self._hooks = []
 
 
 __all__ = ["ShardedParams", "UnitState"]

@@ -143,8 +143,10 @@ class BoundaryReducer:
         return [self.flat_grad]
 
     def remove_hooks(self) -> None:
+        """Take the gradient hooks off the parameters (ZeroEngine.destroy)."""
         for h in self._hooks:
             h.remove()
+        self._hooks = []
 
 
 class MicroBatchReducer:
@@ -227,8 +229,10 @@ class MicroBatchReducer:
         return [self.grad_buffer]
 
     def remove_hooks(self) -> None:
+        """Take the gradient hooks off the parameters (ZeroEngine.destroy)."""
         for h in self._hooks:
             h.remove()
+        self._hooks = []
 
 
 __all__ = ["BoundaryReducer", "MicroBatchReducer"]

@@ -50,6 +50,11 @@ class Composition:
     persistent_numel: int = 0
     params_on_host: bool = False
 
+    def remove_hooks(self) -> None:
+        """Take every hook the parts registered on the model off it (idempotent)."""
+        for part in (*self.owners, *self.reducers):
+            part.remove_hooks()
+
 
 def compose(stage: int, module: nn.Module, params: ParamList, zc: ZeroConfig, comm: Comm,
             phases: Phases, *, device: torch.device, dtype: torch.dtype) -> Composition:  # fmt: skip
