@@ -175,3 +175,39 @@ def step_times_under_faults(rank: int, world: int, urls: dict[str, str], spool_r
         "stats": {k: r.stats for k, r in runs.items()},
         "run_ids": {k: r.id for k, r in runs.items()},
     }
+
+
+#: The configurations the profiler cross-check runs: no overlap (every collective exposed)
+#: and stage 3 with overlap (prefetched gathers, reduces under the backward).
+PROFILED = {"stage1": ds_config(1), "stage3-overlap": ds_config(3, overlap=True)}
+#: A model whose compute outweighs the instruments' per-range offsets (TINY's backward is
+#: a few ms around 15 reduces): still a second or two per step on one CPU thread.
+PROFILED_CFG = GPTConfig(vocab_size=256, seq_len=256, d_model=96, n_layers=2, n_heads=4,
+                         tied=False)  # fmt: skip
+
+
+def profiled_steps(rank: int, world: int, spool_root: str, steps: int) -> dict[str, Any]:
+    """Each case of PROFILED, `steps` instrumented steps under torch.profiler (CPU
+    activities). Returns per case the run id and, per step, every `zerowatch::<phase>`
+    range the profiler saw as (name, start µs, end µs), bracketed by `test::step` ranges."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    out = {}
+    for name, config in PROFILED.items():
+        engine, *_ = zerowatch.initialize(model=make_model(PROFILED_CFG), config=config)
+        train(engine, None, 0, rank, world, PROFILED_CFG)  # warm-up: outside profile and run
+        with (
+            zerowatch.instrument(engine, run=f"profiled-{name}", spool_dir=spool_root,
+                                 spans_every=1, **FAST) as run,
+            profile(activities=[ProfilerActivity.CPU]) as prof,
+        ):  # fmt: skip
+            for s in range(steps):
+                with record_function(f"test::step {s}"):
+                    train(engine, run, s + 1, rank, world, PROFILED_CFG)
+        ranges = [
+            (e.name, float(e.time_range.start), float(e.time_range.end))
+            for e in prof.events()
+            if e.name.startswith(("zerowatch::", "test::step"))
+        ]
+        out[name] = {"run_id": run.id, "ranges": ranges}
+    return out
