@@ -11,7 +11,10 @@ whole latency of a synchronous call plus the time spent waiting on an async one 
 measures that in `wait()`); what overlap_comm hid is latency − exposed.
 
 Async collectives may complete on another thread, hence the lock. On CUDA the record's
-latency comes from its CUDA events, read when they have completed (a step later).
+latency and its exposed time come from its CUDA events, read when they have completed (a
+step later): the latency from the launch on the compute stream to the collective's
+completion, the exposed time from the compute stream's events around its wait (how long
+that stream stalled). Host time around a NCCL call measures only the launch.
 """
 
 from __future__ import annotations
@@ -64,13 +67,19 @@ class CollectiveWindow:
     spans: list[tuple[str, str, int, bool, float, float]] | None = None
 
     def ready(self) -> bool:
-        return all(rec.cuda_events[1].query() for rec in self.pending_cuda)
+        return all(
+            rec.cuda_events[1].query() and (rec.cuda_exposed is None or rec.cuda_exposed[1].query())
+            for rec in self.pending_cuda
+        )
 
     def stats(self) -> list[ev.CollectiveStats]:
         for rec in self.pending_cuda:
             start, end = rec.cuda_events
-            latency = float(start.elapsed_time(end)) / 1e3
+            latency = max(float(start.elapsed_time(end)) / 1e3, 0.0)
             _add(self.aggs, rec.op, rec.purpose, rec.nbytes, rec.world_size, latency, rec.async_op)
+            if getattr(rec, "cuda_exposed", None) is not None:
+                before, after = rec.cuda_exposed
+                self.exposed_s += max(float(before.elapsed_time(after)) / 1e3, 0.0)
         self.pending_cuda = []
         return [
             ev.CollectiveStats.of_calls(
@@ -149,9 +158,10 @@ class CollectiveAggregator:
             else:
                 _add(w.aggs, op, purpose, nbytes, int(rec.world_size), rec.end - rec.start,
                      async_op)  # fmt: skip
-            exposed = float(rec.exposed_s)
+            # On CUDA the exposed time is the compute stream's stall, read with the events.
+            exposed = 0.0 if getattr(rec, "cuda_exposed", None) is not None else rec.exposed_s
             if exposed > 0.0:
-                w.exposed_s += exposed
+                w.exposed_s += float(exposed)
             if w.spans is not None and len(w.spans) < self._max_spans:
                 w.spans.append((op, purpose, nbytes, async_op, rec.start, rec.end))
 

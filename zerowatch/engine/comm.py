@@ -7,7 +7,10 @@ parameter owners never touch `torch.distributed` themselves. That gives one plac
   with its nccl-tests size (all-gather output, reduce-scatter input, all-reduce buffer), its
   wall-clock start and end and, for asynchronous work, how long the training thread was
   actually blocked in `wait()` (the *exposed* communication time);
-* time GPU collectives with CUDA events that are read later (never a synchronize per op);
+* time GPU collectives with CUDA events that are read later (never a synchronize per op):
+  a collective's latency from an event on the compute stream at its launch to one on a
+  side timing stream that waits for the collective alone, and its exposed time from two
+  events on the compute stream around the compute stream's wait for it (docs/timing.md);
 * make a one-rank job a no-op: with world size 1 nothing is sent and nothing is reported.
 
 Asynchronous work returns a `Handle`. Its completion time comes from the work's future
@@ -62,6 +65,10 @@ def _is_cuda(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
+def _cuda_event() -> Any:
+    return torch.cuda.Event(enable_timing=True)
+
+
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -77,11 +84,12 @@ class Handle:
     time as exposed; the record reaches observers when the work completes."""
 
     def __init__(self, comm: Comm, work: Any, op: str, purpose: str, nbytes: int, start: float,
-                 cuda_start: Any = None) -> None:  # fmt: skip
+                 cuda_events: Any = None) -> None:  # fmt: skip
         self._comm = comm
         self._work = work
         self._op, self._purpose, self._nbytes, self._start = op, purpose, nbytes, start
-        self._cuda_start = cuda_start
+        #: On CUDA, (launched, completed) events: the collective's own time.
+        self._cuda = cuda_events
         self._end: float | None = None
         self._exposed = 0.0
         self._wait_start = start
@@ -89,7 +97,7 @@ class Handle:
         self._waited = False
         self._has_future = False
         self._lock = threading.Lock()
-        if work is not None and cuda_start is None:
+        if work is not None and cuda_events is None:
             try:
                 fut = work.get_future()
             except (RuntimeError, AttributeError):
@@ -108,6 +116,9 @@ class Handle:
         """Block until the collective has completed (idempotent)."""
         if self._waited:
             return
+        if self._cuda is not None and self._work is not None:
+            self._wait_cuda()
+            return
         t0 = time.perf_counter()
         if self._work is not None:
             self._work.wait()
@@ -115,18 +126,26 @@ class Handle:
         t1 = time.perf_counter()
         self._exposed = t1 - t0
         self._wait_start = t0
-        cuda_events = None
-        if self._cuda_start is not None:
-            end_ev = torch.cuda.Event(enable_timing=True)
-            end_ev.record()
-            cuda_events = (self._cuda_start, end_ev)
         if self._end is None and not self._has_future:
             self._end = t1
         self._waited = True
-        if self._end is not None or cuda_events is not None:
-            self._report(cuda_events)
+        if self._end is not None or self._cuda is not None:
+            self._report(self._cuda)
 
-    def _report(self, cuda_events: Any = None) -> None:
+    def _wait_cuda(self) -> None:
+        """The compute stream waits for the collective, bracketed by events on it."""
+        before = _cuda_event()
+        before.record()
+        t0 = time.perf_counter()
+        self._work.wait()  # NCCL: the current stream waits; the host does not
+        self._work = None
+        t1 = time.perf_counter()
+        after = _cuda_event()
+        after.record()
+        self._exposed, self._wait_start, self._end, self._waited = t1 - t0, t0, t1, True
+        self._report(self._cuda, (before, after))
+
+    def _report(self, cuda_events: Any = None, cuda_exposed: Any = None) -> None:
         with self._lock:  # the future callback and wait() may race to report
             if self._reported:
                 return
@@ -136,7 +155,7 @@ class Handle:
         # start of wait() to completion (not the thread's wake-up delay after it).
         exposed = min(self._exposed, max(0.0, end - self._wait_start))
         self._comm._emit(self._op, self._purpose, self._nbytes, self._start, end, True,
-                         exposed, cuda_events)  # fmt: skip
+                         exposed, cuda_events, cuda_exposed)  # fmt: skip
 
 
 class _Done(Handle):
@@ -164,6 +183,7 @@ class Comm:
     def __init__(self, observers: ObserverRegistry, group: Any = None) -> None:
         self.observers = observers
         self.group = group
+        self._timing_streams: dict[int, Any] = {}
         self.enabled = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.enabled else 0
         self.world_size = dist.get_world_size(group) if self.enabled else 1
@@ -174,13 +194,31 @@ class Comm:
     # -- reporting -------------------------------------------------------------------------
 
     def _emit(self, op: str, purpose: str, nbytes: int, start: float, end: float,
-              async_op: bool, exposed: float, cuda_events: Any) -> None:  # fmt: skip
+              async_op: bool, exposed: float, cuda_events: Any,
+              cuda_exposed: Any = None) -> None:  # fmt: skip
         if self.observers:
             rec = CollectiveRecord(op=op, purpose=purpose, nbytes=nbytes,
                                    world_size=self.world_size, start=start, end=end,
                                    async_op=async_op, exposed_s=exposed,
-                                   cuda_events=cuda_events)  # fmt: skip
+                                   cuda_events=cuda_events, cuda_exposed=cuda_exposed)  # fmt: skip
             self.observers.call("on_collective", rec)
+
+    def _timing_stream(self) -> Any:
+        """A side stream (one per device) whose only work is waiting for collectives."""
+        device = torch.cuda.current_device()
+        stream = self._timing_streams.get(device)
+        if stream is None:
+            stream = self._timing_streams[device] = torch.cuda.Stream(device)
+        return stream
+
+    def _completion_event(self, work: Any) -> Any:
+        """An event that completes when `work` does, recorded on the timing stream (which
+        waits for the collective there; the compute stream is not made to wait)."""
+        end = _cuda_event()
+        with torch.cuda.stream(self._timing_stream()):
+            work.wait()
+            end.record()
+        return end
 
     def _run(self, op: str, purpose: str, nbytes: int, async_op: bool, device_tensor: torch.Tensor,
              launch: Callable[[bool], Any], local: Callable[[], Any] | None = None) -> Handle:  # fmt: skip
@@ -188,24 +226,29 @@ class Comm:
             if local is not None:  # one rank: the result is the input itself
                 local()
             return DONE
-        cuda_start = None
+        launched = None
         if _is_cuda(device_tensor):
-            cuda_start = torch.cuda.Event(enable_timing=True)
-            cuda_start.record()
+            # The collective can start once the compute stream reaches this point.
+            launched = _cuda_event()
+            launched.record()
         start = time.perf_counter()
         if async_op:
             work = launch(True)
-            return Handle(self, work, op, purpose, nbytes, start, cuda_start)
+            cuda_events = None if launched is None else (launched, self._completion_event(work))
+            return Handle(self, work, op, purpose, nbytes, start, cuda_events)
         work = launch(False)
         if isinstance(work, _RingWork):
             work.wait()
         end = time.perf_counter()
         cuda_events = None
-        if cuda_start is not None:
-            end_ev = torch.cuda.Event(enable_timing=True)
-            end_ev.record()
-            cuda_events = (cuda_start, end_ev)
-        self._emit(op, purpose, nbytes, start, end, False, end - start, cuda_events)
+        if launched is not None:
+            # Synchronous: the compute stream waited from the launch to the end, so the
+            # collective's time and the stall are the same interval.
+            done = _cuda_event()
+            done.record()
+            cuda_events = (launched, done)
+        self._emit(op, purpose, nbytes, start, end, False, end - start, cuda_events,
+                   cuda_events)  # fmt: skip
         return DONE
 
     # -- collectives -----------------------------------------------------------------------

@@ -43,7 +43,14 @@ class CollectiveRecord:
         async_op: issued asynchronously, to overlap with compute.
         exposed_s: time the training thread was blocked on it (the whole latency for a
             synchronous call, the time spent in `wait()` for an async one).
-        cuda_events: (start, end) torch.cuda.Event pair on CUDA, else None.
+        cuda_events: on CUDA, (start, end) torch.cuda.Events bounding the collective's own
+            time: start on the compute stream where it was launched (the collective can
+            begin once the stream reaches it), end on a timing stream that waited for the
+            collective alone, so compute queued after the launch is not in its latency.
+        cuda_exposed: on CUDA, (before, after) events on the compute stream around its
+            wait for the collective: how long the compute stream stalled (the whole
+            latency for a synchronous call). The host time in `exposed_s` measures only
+            launches there (NCCL's wait returns at once).
     """
 
     op: str
@@ -55,6 +62,7 @@ class CollectiveRecord:
     async_op: bool
     exposed_s: float
     cuda_events: Any = None
+    cuda_exposed: Any = None
 
 
 @runtime_checkable
