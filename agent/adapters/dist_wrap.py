@@ -143,6 +143,28 @@ class _WorldSizes:
         self._by_group.clear()
 
 
+def _cuda_event() -> Any:
+    return torch.cuda.Event(enable_timing=True)
+
+
+#: One side stream per device whose only work is waiting for collectives (timing).
+_TIMING_STREAMS: dict[int, Any] = {}
+
+
+def _completion_event(work: Any) -> Any:
+    """An event that completes when `work` does, recorded on the timing stream (made to
+    wait for the work there; the stream that launched it is not made to wait)."""
+    device = torch.cuda.current_device()
+    stream = _TIMING_STREAMS.get(device)
+    if stream is None:
+        stream = _TIMING_STREAMS[device] = torch.cuda.Stream(device)
+    end = _cuda_event()
+    with torch.cuda.stream(stream):
+        work.wait()
+        end.record()
+    return end
+
+
 class TimedWork(dist.Work):
     """An async collective's work, timed at `wait()`: its latency ends when the work is
     seen complete, and the time blocked inside `wait()` is its exposed time.
@@ -152,37 +174,44 @@ class TimedWork(dist.Work):
     step spent 4-6% more CPU with callbacks, 0-3% without), more than the agent's budget
     at stage 3's call rate. So when the work is still running at the wait, its end is when
     `wait()` returns (exact); when it has already finished, its end is the moment of the
-    wait, an upper bound (and nothing was exposed). On CUDA the latency comes from events
-    recorded on the issuing stream, read a step later.
+    wait, an upper bound (and nothing was exposed). On CUDA, as in the bundled engine
+    (docs/timing.md): the latency from an event at the launch to one on a side timing
+    stream that waits for this work alone, the exposed time from events on the waiting
+    stream around its `wait()`; all read a step later.
     """
 
     def __init__(self, inner: Any, hub: _Hub, op: str, nbytes: int, world: int, start: float,
-                 purpose: str, cuda_start: Any) -> None:  # fmt: skip
+                 purpose: str, cuda_events: Any) -> None:  # fmt: skip
         super().__init__()
         self._inner = inner
         self._hub = hub
         self._op, self._nbytes, self._world, self._start = op, nbytes, world, start
         self._purpose = purpose
-        self._cuda_start = cuda_start
+        #: On CUDA, (launched, completed) events: the collective's own time.
+        self._cuda = cuda_events
         self._waited = False
 
     def wait(self, timeout: Any = None) -> bool:
         if self._waited:
             return True
+        before = None
+        if self._cuda is not None:
+            before = _cuda_event()
+            before.record()
         t0 = time.perf_counter()
-        done_before = self._cuda_start is None and bool(self._inner.is_completed())
+        done_before = self._cuda is None and bool(self._inner.is_completed())
         result = self._inner.wait() if timeout is None else self._inner.wait(timeout)
         t1 = time.perf_counter()
         self._waited = True
-        cuda_events = None
-        if self._cuda_start is not None:
-            end_ev = torch.cuda.Event(enable_timing=True)
-            end_ev.record()
-            cuda_events = (self._cuda_start, end_ev)
+        cuda_exposed = None
+        if before is not None:
+            after = _cuda_event()
+            after.record()
+            cuda_exposed = (before, after)
         end = t0 if done_before else t1
         try:
             self._hub.emit(self._op, self._purpose, self._nbytes, self._world, self._start, end,
-                           True, t1 - t0, cuda_events)  # fmt: skip
+                           True, t1 - t0, self._cuda, cuda_exposed)  # fmt: skip
         except Exception:
             self._hub._error(self._op)
         return bool(result) if result is not None else True
@@ -231,10 +260,11 @@ class _Hub:
         return taps[0].classify(op) if taps else "other"
 
     def emit(self, op: str, purpose: str, nbytes: int, world: int, start: float, end: float,
-             async_op: bool, exposed: float, cuda_events: Any) -> None:  # fmt: skip
+             async_op: bool, exposed: float, cuda_events: Any,
+             cuda_exposed: Any = None) -> None:  # fmt: skip
         rec = CollectiveRecord(op=op, purpose=purpose, nbytes=nbytes, world_size=world,
                                start=start, end=end, async_op=async_op, exposed_s=exposed,
-                               cuda_events=cuda_events)  # fmt: skip
+                               cuda_events=cuda_events, cuda_exposed=cuda_exposed)  # fmt: skip
         for tap in self.taps:
             try:
                 tap.sink(rec)
@@ -272,7 +302,7 @@ class _Hub:
                 return orig(*args, **kwargs)
             cuda_start = None
             if cuda:
-                cuda_start = torch.cuda.Event(enable_timing=True)
+                cuda_start = _cuda_event()
                 cuda_start.record()
             _local.depth += 1
             start = time.perf_counter()
@@ -283,14 +313,19 @@ class _Hub:
             end = time.perf_counter()
             try:
                 if async_op and isinstance(work, dist.Work) and not isinstance(work, _DEFERRED):
-                    return TimedWork(work, hub, spec.op, nbytes, world, start, purpose, cuda_start)
+                    cuda_events = None
+                    if cuda_start is not None:
+                        cuda_events = (cuda_start, _completion_event(work))
+                    return TimedWork(work, hub, spec.op, nbytes, world, start, purpose,
+                                     cuda_events)  # fmt: skip
                 cuda_events = None
                 if cuda_start is not None:
-                    end_ev = torch.cuda.Event(enable_timing=True)
+                    # Synchronous: the launching stream waited from the launch to the end.
+                    end_ev = _cuda_event()
                     end_ev.record()
                     cuda_events = (cuda_start, end_ev)
                 hub.emit(spec.op, purpose, nbytes, world, start, end, False, end - start,
-                         cuda_events)  # fmt: skip
+                         cuda_events, cuda_events)  # fmt: skip
             except Exception:
                 hub._error(spec.op)
             return work
