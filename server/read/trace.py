@@ -50,7 +50,7 @@ def trace(
             hi = step_to if step_to is not None else lo + max_steps - 1
         hi = min(hi, lo + max_steps - 1)
         step_rows = conn.execute(
-            select(s.rank, s.step, s.time, s.step_time_s)
+            select(s.rank, s.step, s.time, s.step_time_s, s.parts, s.hidden_comm_s)
             .where(s.run == pk, s.step >= lo, s.step <= hi)
             .order_by(s.rank, s.step)
         ).all()
@@ -70,7 +70,14 @@ def trace(
                 "step",
                 r.time - r.step_time_s,
                 r.time,
-                {"step": r.step, "step_time_s": r.step_time_s},
+                # The exclusive parts (they add up to the step) and what compute hid, so a
+                # step's slice in the viewer says where its time went (docs/timing.md).
+                {
+                    "step": r.step,
+                    "step_time_s": r.step_time_s,
+                    "parts_s": dict(r.parts or {}),
+                    "hidden_comm_s": r.hidden_comm_s,
+                },
             )
         )
     for r in span_rows:

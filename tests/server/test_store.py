@@ -212,6 +212,12 @@ def test_trace_has_a_process_per_rank_and_slices_for_sampled_steps(db: Database)
     assert {e["args"]["step"] for e in slices if e["cat"] == "phase"} == {0, 5, 10}
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in slices)
     assert out["metadata"]["sampled_steps"] == [0, 5, 10]
+    # Every step's slice says where its time went: the exclusive parts add up to it.
+    for e in (e for e in slices if e["cat"] == "step"):
+        parts = e["args"]["parts_s"]
+        assert set(parts) == set(ev.STEP_PARTS)
+        assert sum(parts.values()) == pytest.approx(e["args"]["step_time_s"], rel=1e-6)
+        assert e["args"]["hidden_comm_s"] >= 0
 
 
 def test_list_runs_filters(db: Database) -> None:
