@@ -306,9 +306,9 @@ class StepRecorder:
         start_unix = clock.host_time(d.start) + self._unix_offset
         collectives = d.collectives.stats()
         exposed = d.collectives.exposed_s
-        # What the collectives took beyond what the training thread waited for them ran
-        # under compute: reported beside the parts, never in their sum.
-        hidden = max(sum(c.latency_sum_s for c in collectives) - exposed, 0.0)
+        # The time some collective was running (concurrent ones counted once) beyond what the
+        # training thread waited for them ran under compute: beside the parts, not in them.
+        hidden = max(d.collectives.wall_s - exposed, 0.0)
         return ev.StepEvent(
             rank=job.rank,
             seq=self._next_seq(),

@@ -36,8 +36,7 @@ def step_parts(step_time: Series, parts: Mapping[str, Series], hidden_comm: Seri
         parts: mean seconds per step of each part.
         hidden_comm: mean seconds per step of communication compute hid.
     """
-    fig = th.figure("Step time by part (mean over ranks; the parts add up to the step)",
-                    height=380)  # fmt: skip
+    fig = th.figure("Step time by part (mean over ranks)", height=380)
     for name in [p for p in STEP_PARTS if parts.get(p)]:
         series = parts[name]
         fig.add_trace(

@@ -63,6 +63,11 @@ class CollectiveWindow:
     aggs: dict[tuple[str, str], _Agg] = field(default_factory=dict)
     pending_cuda: list[Any] = field(default_factory=list)
     exposed_s: float = 0.0
+    #: (start, end) host times of the calls timed on the host.
+    intervals: list[tuple[float, float]] = field(default_factory=list)
+    #: Wall time some collective was running (the union of their intervals, so concurrent
+    #: calls count once); known after `stats()`.
+    wall_s: float = 0.0
     #: (op, purpose, nbytes, async, start, end) per call, on sampled steps.
     spans: list[tuple[str, str, int, bool, float, float]] | None = None
 
@@ -73,7 +78,12 @@ class CollectiveWindow:
         )
 
     def stats(self) -> list[ev.CollectiveStats]:
+        device: list[tuple[float, float]] = []
+        ref: Any = self.pending_cuda[0].cuda_events[0] if self.pending_cuda else None
         for rec in self.pending_cuda:
+            start, end = rec.cuda_events
+            at = float(ref.elapsed_time(start)) / 1e3  # device time, from the first launch
+            device.append((at, at + max(float(start.elapsed_time(end)) / 1e3, 0.0)))
             start, end = rec.cuda_events
             latency = max(float(start.elapsed_time(end)) / 1e3, 0.0)
             _add(self.aggs, rec.op, rec.purpose, rec.nbytes, rec.world_size, latency, rec.async_op)
@@ -81,6 +91,8 @@ class CollectiveWindow:
                 before, after = rec.cuda_exposed
                 self.exposed_s += max(float(before.elapsed_time(after)) / 1e3, 0.0)
         self.pending_cuda = []
+        # Host-timed and device-timed calls are on two clocks: each clock's union, added.
+        self.wall_s = _union(self.intervals) + _union(device)
         return [
             ev.CollectiveStats.of_calls(
                 op, purpose, world_size=a.world, count=a.count, nbytes=a.nbytes,
@@ -105,6 +117,17 @@ def _add(
     if agg is None:
         agg = aggs[key] = _Agg(world)
     agg.add(nbytes, latency, async_op)
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by the intervals (overlaps counted once)."""
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= reach:
+            continue
+        total += b - max(a, reach)
+        reach = b
+    return total
 
 
 #: Records wait in a list and are folded into the aggregates in one loop, when the step's
@@ -158,6 +181,7 @@ class CollectiveAggregator:
             else:
                 _add(w.aggs, op, purpose, nbytes, int(rec.world_size), rec.end - rec.start,
                      async_op)  # fmt: skip
+                w.intervals.append((rec.start, rec.end))
             # On CUDA the exposed time is the compute stream's stall, read with the events.
             exposed = 0.0 if getattr(rec, "cuda_exposed", None) is not None else rec.exposed_s
             if exposed > 0.0:

@@ -214,6 +214,7 @@ def test_exclusive_parts_add_up_to_the_step_time(job, name):
             assert parts["exposed_param_gather"] <= p.get("param_gather", 0.0) + 1e-9
             assert parts["exposed_grad_reduce"] <= p.get("grad_reduce", 0.0) + 1e-9
             assert parts["other"] == pytest.approx(p["other"], abs=1e-6)
-            assert e["hidden_comm_s"] >= 0.0
+            # What compute hid is wall time some collective ran while compute went on.
+            assert 0.0 <= e["hidden_comm_s"] <= step + 1e-6, (e["hidden_comm_s"], step)
             exposed_comm += parts["exposed_param_gather"] + parts["exposed_grad_reduce"]
     assert exposed_comm > 0.0  # every case communicates inside the step

@@ -119,10 +119,16 @@ def _sync_launch(device: Device, seconds: float) -> Any:
 
 
 def _measured(probe: CollectiveAggregator) -> tuple[float, float]:
+    """(latency summed over the calls, exposed time); the window's wall time (the union of
+    the calls' device intervals) is kept in WALL for the hidden-time checks."""
     window = probe.take()
     assert window.ready()
     stats = window.stats()
+    WALL[:] = [window.wall_s]
     return sum(s.latency_sum_s for s in stats), window.exposed_s
+
+
+WALL: list[float] = []
 
 
 TENSOR = torch.empty(4)
@@ -140,6 +146,7 @@ def test_an_overlapped_collective_is_hidden_and_its_latency_is_its_own(gpu):
     latency, exposed = _measured(probe)
     assert latency == pytest.approx(10 * MS)
     assert exposed == pytest.approx(0.0)
+    assert WALL[0] - exposed == pytest.approx(10 * MS)  # hidden
     assert device.compute.t == pytest.approx(25 * MS)
 
 
@@ -153,6 +160,7 @@ def test_a_half_exposed_collective_stalls_the_compute_stream_for_the_rest(gpu):
     handle.wait()
     latency, exposed = _measured(probe)
     assert (latency, exposed) == (pytest.approx(10 * MS), pytest.approx(5 * MS))
+    assert WALL[0] - exposed == pytest.approx(5 * MS)
     assert device.compute.t == pytest.approx(10 * MS)
 
 
@@ -184,7 +192,8 @@ def test_prefetched_collectives_queue_on_their_stream(gpu):
     # of 12 ms, then both waits: the first is done (no stall), the second stalls 12-20.
     # Latencies: 10 for the first; 20 for the second, counted from its launch point (it
     # queued behind the first: the time a prefetch waits for the link is its latency as
-    # the step sees it). Exposed 8 in all.
+    # the step sees it). Exposed 8 in all. The link was busy 0-20 (the union, not the
+    # latencies' sum of 30): hidden 12.
     device, comm, probe = gpu
     first = comm._run("all_gather", "param_fetch", 1024, True, TENSOR, _launch(device, 10 * MS))
     second = comm._run("all_gather", "param_fetch", 1024, True, TENSOR, _launch(device, 10 * MS))
@@ -194,6 +203,7 @@ def test_prefetched_collectives_queue_on_their_stream(gpu):
     latency, exposed = _measured(probe)
     assert latency == pytest.approx(30 * MS)
     assert exposed == pytest.approx(8 * MS)
+    assert WALL[0] - exposed == pytest.approx(12 * MS)
 
 
 def test_nothing_is_read_before_the_device_has_finished(gpu):
