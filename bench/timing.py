@@ -37,7 +37,11 @@ WORLD = 2
 STAGES = {
     "stage 1": {"stage": 1},
     "stage 2 (overlap)": {"stage": 2, "overlap_comm": True},
-    "stage 3 (overlap)": {"stage": 3, "overlap_comm": True},
+    "stage 3 (overlap)": {
+        "stage": 3,
+        "overlap_comm": True,
+        "stage3_param_persistence_threshold": 0,
+    },
 }
 QUANTITIES = ("step", "forward", "backward", "optimizer_step", "param_gather", "grad_reduce",
               "forward_compute", "backward_compute", "exposed_param_gather",
