@@ -54,11 +54,22 @@ def _kinds(dicts: Sequence[dict[str, float]], known: Sequence[str]) -> list[str]
     return [k for k in known if k in seen] + sorted(seen - set(known))
 
 
+def _byte_unit(totals: Sequence[float]) -> tuple[str, float]:
+    """The binary unit that reads best for the largest total: GiB, MiB or KiB."""
+    top = max((t for t in totals if t), default=0.0)
+    for unit, size in (("GiB", 2.0**30), ("MiB", 2.0**20)):
+        if top >= size:
+            return unit, size
+    return "KiB", 2.0**10
+
+
 def model_state(runs: Sequence[RunSummary]) -> go.Figure:
     """Per-rank model-state bytes of each run, stacked by kind (host-offloaded kinds hatched),
     with the ZeRO theory's total as a diamond."""
     fig = _figure("Model-state bytes per rank")
     x = _labels(runs)
+    unit, size = _byte_unit([sum(r.model_state.values()) for r in runs]
+                            + [sum(r.model_state_theory.values()) for r in runs])  # fmt: skip
     device_kinds = [k for k in STATE_KINDS] + [f"host_{k}" for k in STATE_KINDS]
     for kind in _kinds([r.model_state for r in runs], device_kinds):
         base = kind.removeprefix("host_")
@@ -66,30 +77,30 @@ def model_state(runs: Sequence[RunSummary]) -> go.Figure:
         fig.add_trace(
             go.Bar(
                 x=x,
-                y=th.scaled([r.model_state.get(kind) for r in runs], th.GIB),
+                y=th.scaled([r.model_state.get(kind) for r in runs], size),
                 name=th.kind_label(base) + (" (host)" if host else ""),
                 marker={
                     "color": th.KIND_COLORS.get(base),
                     "pattern": {"shape": "x" if host else ""},
                 },
-                hovertemplate="%{y:.4~f} GiB",
+                hovertemplate=f"%{{y:.4~f}} {unit}",
             )
         )
     _theory_diamonds(fig, x, [sum(r.model_state_theory.values()) for r in runs],
-                     name="ZeRO theory (total)", unit="GiB")  # fmt: skip
-    fig.update_layout(barmode="stack", yaxis={"title": {"text": "bytes per rank (GiB)"}})
+                     name="ZeRO theory (total)", unit=unit, size=size)  # fmt: skip
+    fig.update_layout(barmode="stack", yaxis={"title": {"text": f"bytes per rank ({unit})"}})
     return fig
 
 
 def _theory_diamonds(fig: go.Figure, x: list[str], totals: list[int], *, name: str,
-                     unit: str) -> None:  # fmt: skip
+                     unit: str, size: float) -> None:  # fmt: skip
     """The theoretical total of each run as a diamond over its bar (none when unknown)."""
     theory = [t or None for t in totals]
     if any(theory):
         fig.add_trace(
             go.Scatter(
                 x=x,
-                y=th.scaled(theory, th.GIB),
+                y=th.scaled(theory, size),
                 name=name,
                 mode="markers",
                 marker={"symbol": "diamond", "size": 12, "color": th.THEORY_COLOR},
@@ -102,19 +113,21 @@ def comm_bytes(runs: Sequence[RunSummary]) -> go.Figure:
     """Collective bytes (nccl-tests size) per step per rank, stacked by op, theory as a diamond."""
     fig = _figure("Bytes communicated per step")
     x = _labels(runs)
+    unit, size = _byte_unit([sum(v for v in r.comm_bytes.values() if v) for r in runs]
+                            + [sum(r.comm_bytes_theory.values()) for r in runs])  # fmt: skip
     for op in _kinds([r.comm_bytes for r in runs], COLLECTIVE_OPS):
         fig.add_trace(
             go.Bar(
                 x=x,
-                y=th.scaled([r.comm_bytes.get(op) for r in runs], th.GIB),
+                y=th.scaled([r.comm_bytes.get(op) for r in runs], size),
                 name=th.op_label(op),
                 marker={"color": th.OP_COLORS.get(op)},
-                hovertemplate="%{y:.4~f} GiB per step",
+                hovertemplate=f"%{{y:.4~f}} {unit} per step",
             )
         )
     _theory_diamonds(fig, x, [sum(r.comm_bytes_theory.values()) for r in runs],
-                     name="ZeRO theory", unit="GiB per step")  # fmt: skip
-    fig.update_layout(barmode="stack", yaxis={"title": {"text": "bytes per step (GiB)"}})
+                     name="ZeRO theory", unit=f"{unit} per step", size=size)  # fmt: skip
+    fig.update_layout(barmode="stack", yaxis={"title": {"text": f"bytes per step ({unit})"}})
     return fig
 
 
@@ -189,22 +202,24 @@ def throughput(runs: Sequence[RunSummary]) -> go.Figure:
 def tradeoff(runs: Sequence[RunSummary]) -> go.Figure:
     """Memory against communication, one point per run: the ZeRO trade in one picture."""
     fig = th.figure("Memory vs communication", height=380)
+    xu, xs = _byte_unit([sum(r.model_state.values()) for r in runs])
+    yu, ys = _byte_unit([sum(v for v in r.comm_bytes.values() if v) for r in runs])
     for i, (label, r) in enumerate(zip(_labels(runs), runs, strict=True)):
         fig.add_trace(
             go.Scatter(
-                x=[sum(r.model_state.values()) / th.GIB],
-                y=[sum(r.comm_bytes.values()) / th.GIB],
+                x=[sum(r.model_state.values()) / xs],
+                y=[sum(v for v in r.comm_bytes.values() if v) / ys],
                 name=label,
                 mode="markers+text",
                 text=[f"stage {r.zero_stage}"],
                 textposition="top center",
                 marker={"size": 16, "color": th.color_for(i)},
-                hovertemplate="%{x:.4~f} GiB per rank<br>%{y:.4~f} GiB per step",
+                hovertemplate=f"%{{x:.4~f}} {xu} per rank<br>%{{y:.4~f}} {yu} per step",
             )
         )
     fig.update_layout(
-        xaxis={"title": {"text": "model-state bytes per rank (GiB)"}, "rangemode": "tozero"},
-        yaxis={"title": {"text": "bytes communicated per step (GiB)"}, "rangemode": "tozero"},
+        xaxis={"title": {"text": f"model-state bytes per rank ({xu})"}, "rangemode": "tozero"},
+        yaxis={"title": {"text": f"bytes communicated per step ({yu})"}, "rangemode": "tozero"},
     )
     return fig
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from zerowatch.dashboards import compare, plan
 from zerowatch.dashboards.data import RunSummary
@@ -43,7 +45,18 @@ def test_model_state_stacks_kinds_per_run_and_shows_memory_going_down_by_stage()
     theory_marks = next(t for t in fig.data if t.type == "scatter")
     assert list(theory_marks.y) == pytest.approx(totals)
     assert fig.layout.barmode == "stack"
-    assert fig.layout.yaxis.title.text == "bytes per rank (GiB)"
+    # 10M parameters: 152 MiB per rank at stage 1, so the axis reads in MiB, not 0.15 GiB.
+    assert fig.layout.yaxis.title.text == "bytes per rank (MiB)"
+    assert totals[0] == pytest.approx(sum(summaries()[0].model_state.values()) / 2**20)
+
+
+def test_byte_axes_pick_the_unit_that_reads_best():
+    big = [dataclasses.replace(s, model_state={k: v * 1000 for k, v in s.model_state.items()},
+                               model_state_theory={}) for s in summaries()]  # fmt: skip
+    assert compare.model_state(big).layout.yaxis.title.text == "bytes per rank (GiB)"
+    tiny = [dataclasses.replace(s, model_state={"params": 5000.0}, model_state_theory={})
+            for s in summaries()]  # fmt: skip
+    assert compare.model_state(tiny).layout.yaxis.title.text == "bytes per rank (KiB)"
 
 
 def test_comm_bytes_shows_communication_going_up_at_stage_3():
@@ -51,7 +64,7 @@ def test_comm_bytes_shows_communication_going_up_at_stage_3():
     bars = [t for t in fig.data if t.type == "bar"]
     totals = [sum((t.y[i] or 0) for t in bars) for i in range(3)]
     assert totals[0] == pytest.approx(totals[1]) and totals[2] > totals[1]
-    assert fig.layout.yaxis.title.text == "bytes per step (GiB)"
+    assert fig.layout.yaxis.title.text == "bytes per step (MiB)"
 
 
 def test_run_labels_are_escaped_and_distinct_for_equal_names():
@@ -73,7 +86,7 @@ def test_step_phases_stacks_mean_phase_times_in_ms():
 def test_tradeoff_has_one_point_per_run():
     fig = compare.tradeoff(summaries())
     assert len(fig.data) == 3 and all(len(t.x) == 1 for t in fig.data)
-    assert fig.layout.xaxis.title.text == "model-state bytes per rank (GiB)"
+    assert fig.layout.xaxis.title.text == "model-state bytes per rank (MiB)"
 
 
 def test_stage_plans_follow_the_zero_paper_for_7b_on_64_gpus():
