@@ -13,6 +13,7 @@ Every builder is a pure function of plain data (dashboards.data) returning a go.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
@@ -359,10 +360,23 @@ def training(
     skipped_steps: Sequence[int] = (),
 ) -> go.Figure:
     """Optimizer signals over steps, one panel each: grad norm (clipped steps marked), loss,
-    learning rate, and loss scale with skipped (overflow) steps marked when fp16 scales."""
-    panels = ["gradient norm, pre-clip (✕ clipped)", "loss", "learning rate"]
+    learning rate, and loss scale with skipped (overflow) steps marked when fp16 scales.
+
+    A marker that would fall on every drawn step (every step clipped) says nothing a note
+    does not: the panel title says it instead. A constant series (a fixed learning rate)
+    gets an axis centred on its value, not one from -0.5 to 1 that reads as zero."""
+    every_clipped = _on_every_step(clipped_steps, grad_norm)
+    every_skipped = _on_every_step(skipped_steps, loss_scale or Series())
+    panels = [
+        "gradient norm, pre-clip (every step clipped)" if every_clipped
+        else "gradient norm, pre-clip (✕ clipped)" if clipped_steps
+        else "gradient norm, pre-clip",
+        "loss",
+        "learning rate",
+    ]  # fmt: skip
     if loss_scale or skipped_steps:
-        panels.append("loss scale (▼ skipped step)")
+        panels.append("loss scale (every step skipped)" if every_skipped
+                      else "loss scale (▼ skipped step)")  # fmt: skip
     n = len(panels)
     fig = th.rows_figure("Training signals", panels, height=170 * n + 80, gap=0.06,
                          showlegend=False, hovermode="x unified")  # fmt: skip
@@ -373,7 +387,7 @@ def training(
                                  **th.panel_axes(k)))  # fmt: skip
 
     line(grad_norm, 1, "grad norm", "#4C78A8", "%{y:.4~g}")
-    if clipped_steps:
+    if clipped_steps and not every_clipped:
         at = dict(zip(grad_norm.steps, grad_norm.values, strict=True))
         xs = [s for s in clipped_steps if at.get(s) is not None]
         fig.add_trace(
@@ -384,15 +398,15 @@ def training(
     line(loss, 2, "loss", "#54A24B", "%{y:.4~f}")
     line(lr, 3, "learning rate", "#B279A2", "%{y:.3~e}")
     axes: dict[str, object] = {
-        "yaxis": {"title": {"text": "norm"}},
-        "yaxis2": {"title": {"text": "loss"}},
-        "yaxis3": {"title": {"text": "lr"}, "exponentformat": "e"},
+        "yaxis": {"title": {"text": "norm"}, **_centred(grad_norm)},
+        "yaxis2": {"title": {"text": "loss"}, **_centred(loss)},
+        "yaxis3": {"title": {"text": "lr"}, "exponentformat": "e", **_centred(lr)},
         f"xaxis{n}": {"title": {"text": "step"}},
     }
     if n == 4:
         ls = loss_scale or Series()
         line(ls, 4, "loss scale", "#F58518", "%{y:.0f}", shape="hv")
-        if skipped_steps:
+        if skipped_steps and not every_skipped:
             at = dict(zip(ls.steps, ls.values, strict=True))
             fig.add_trace(
                 go.Scatter(x=list(skipped_steps), y=[at.get(s) or 1.0 for s in skipped_steps],
@@ -403,6 +417,23 @@ def training(
         axes["yaxis4"] = {"title": {"text": "scale"}, "type": "log", "dtick": 1}
     fig.update_layout(axes)
     return fig
+
+
+def _on_every_step(marked: Sequence[int], series: Series) -> bool:
+    """Whether the marked steps cover every drawn step of `series` (and there are some)."""
+    drawn = [s for s, v in zip(series.steps, series.values, strict=True) if v is not None]
+    return bool(drawn) and set(drawn) <= set(marked)
+
+
+def _centred(series: Series) -> dict[str, object]:
+    """A y-range centred on a constant series' value (half of it either side; ±1 around
+    zero); nothing for a series that varies (plotly's autorange reads it well)."""
+    vals = [v for v in series.values if v is not None and math.isfinite(v)]
+    if not vals or max(vals) - min(vals) > 1e-9 * max(abs(max(vals)), abs(min(vals)), 1e-300):
+        return {}
+    v = vals[0]
+    half = abs(v) / 2 if v else 1.0
+    return {"range": [v - half, v + half], "autorange": False}
 
 
 def rank_heatmap(

@@ -154,6 +154,28 @@ def test_training_marks_clipped_and_skipped_steps():
     assert fig.layout.xaxis4.title.text == "step"
 
 
+def test_a_constant_learning_rate_is_drawn_around_its_value():
+    fig = run.training(grad_norm=s([0.5, 2.0, 0.7]), loss=s([4, 3, 2]), lr=s([1e-3] * 3))
+    assert list(fig.layout.yaxis3.range) == pytest.approx([5e-4, 1.5e-3])  # not -0.5..1
+    assert fig.layout.yaxis.range is None  # a varying series keeps plotly's autorange
+    flat_zero = run.training(grad_norm=s([0.0] * 3), loss=s([1, 2, 3]), lr=s([1e-4, 2e-4, 3e-4]))
+    assert list(flat_zero.layout.yaxis.range) == [-1.0, 1.0]
+
+
+def test_markers_on_every_step_become_a_note():
+    fig = run.training(grad_norm=s([5.0, 6.0, 7.0]), loss=s([3, 2, 1]), lr=s([1e-4] * 3),
+                       loss_scale=s([1.0, 1.0, 1.0]), clipped_steps=STEPS[:3],
+                       skipped_steps=STEPS[:3])  # fmt: skip
+    assert "clipped" not in names(fig) and "skipped step" not in names(fig)
+    titles = [a.text for a in fig.layout.annotations]
+    assert "gradient norm, pre-clip (every step clipped)" in titles
+    assert "loss scale (every step skipped)" in titles
+    some = run.training(grad_norm=s([5.0, 6.0, 7.0]), loss=s([3, 2, 1]), lr=s([1e-4] * 3),
+                        clipped_steps=STEPS[1:2])  # fmt: skip
+    assert "clipped" in names(some)
+    assert "gradient norm, pre-clip (✕ clipped)" in [a.text for a in some.layout.annotations]
+
+
 def test_training_has_no_loss_scale_panel_without_loss_scaling():
     fig = run.training(grad_norm=s([1.0]), loss=s([1.0]), lr=s([1e-4]))
     assert {t.yaxis for t in fig.data} == {"y", "y2", "y3"}
