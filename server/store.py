@@ -285,25 +285,23 @@ def _as_dict(obj: ev.MemoryStats | ev.Span) -> dict[str, Any]:
 
 
 def _collective_rows(pk: int, e: ev.StepEvent) -> Iterable[dict[str, Any]]:
-    merged: dict[tuple[str, str], ev.CollectiveStats] = {}
+    by_key: dict[tuple[str, str], list[ev.CollectiveStats]] = {}
     for c in e.collectives:
-        key = (c.op, c.purpose)
-        if key in merged:  # the same (op, purpose) twice in one step: add them up
-            p = merged[key]
-            merged[key] = dataclasses.replace(
-                p,
-                count=p.count + c.count,
-                bytes=p.bytes + c.bytes,
-                latency_sum_s=p.latency_sum_s + c.latency_sum_s,
-                latency_max_s=max(p.latency_max_s, c.latency_max_s),
-                buckets=[a + b for a, b in zip(p.buckets, c.buckets, strict=True)],
-                async_count=p.async_count + c.async_count,
-            )
-        else:
-            merged[key] = c
-    for (op, purpose), c in merged.items():
-        algbw = c.algbw_bytes_per_s or (c.bytes / c.latency_sum_s if c.latency_sum_s > 0 else 0.0)
-        busbw = c.busbw_bytes_per_s or algbw * ev.bus_bandwidth_factor(op, c.world_size)
+        by_key.setdefault((c.op, c.purpose), []).append(c)
+    for (op, purpose), cs in by_key.items():
+        c = cs[0]
+        if len(cs) > 1 or not (c.algbw_bytes_per_s and c.busbw_bytes_per_s):
+            # The same (op, purpose) twice in one step is added up, and bandwidths a client
+            # left out are filled in: both by the one builder of a step's record.
+            c = ev.CollectiveStats.of_calls(
+                op, purpose, world_size=c.world_size, count=sum(x.count for x in cs),
+                nbytes=sum(x.bytes for x in cs),
+                latency_sum_s=sum(x.latency_sum_s for x in cs),
+                latency_max_s=max(x.latency_max_s for x in cs),
+                buckets=[sum(b) for b in zip(*(x.buckets for x in cs), strict=True)],
+                async_count=sum(x.async_count for x in cs),
+            )  # fmt: skip
+        algbw, busbw = c.algbw_bytes_per_s, c.busbw_bytes_per_s
         yield {
             "run": pk,
             "rank": e.rank,

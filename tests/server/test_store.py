@@ -9,6 +9,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from sqlalchemy import select
+from zerowatch.server import models as m
 from zerowatch.server import read, store
 from zerowatch.server.db import Database
 from zerowatch.server.read import compare as compare_read
@@ -231,3 +233,28 @@ def test_list_runs_filters(db: Database) -> None:
     later = time.time() + 1000
     assert ids(queries.list_runs(db=db, status="stalled", now=later)) == {a, b}
     assert queries.get_run(db=db, run_id=a, now=later)["status"] == "stalled"  # type: ignore[index]
+
+
+def test_one_op_twice_in_a_step_is_stored_added_up_with_its_bandwidth(db: Database) -> None:
+    spec = simulate.SimSpec(world_size=4, stage=3, spans_every=0)
+    rc = simulate.run_create(spec)
+    store.create_run(db, run=rc)
+    e = simulate.step_event(spec, 0, 0)
+    ag = next(c for c in e.collectives if c.op == "all_gather")
+    half = dataclasses.replace(ag, count=2, bytes=1000, latency_sum_s=0.002, latency_max_s=0.0015,
+                               algbw_bytes_per_s=0.0, busbw_bytes_per_s=0.0)  # fmt: skip
+    other = dataclasses.replace(ag, count=3, bytes=3000, latency_sum_s=0.006, latency_max_s=0.004)
+    e = dataclasses.replace(e, collectives=[c for c in e.collectives if c.op != "all_gather"]
+                            + [half, other])  # fmt: skip
+    store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, [e]))
+    c = m.collectives.c
+    with db.read() as conn:
+        row = conn.execute(
+            select(c.count, c.bytes, c.latency_sum_s, c.latency_max_s, c.buckets, c.algbw,
+                   c.busbw).where(c.op == "all_gather")
+        ).one()  # fmt: skip
+    assert (row.count, row.bytes, row.latency_max_s) == (5, 4000, 0.004)
+    assert row.latency_sum_s == pytest.approx(0.008)
+    assert row.buckets == [a + b for a, b in zip(half.buckets, other.buckets, strict=True)]
+    assert row.algbw == pytest.approx(4000 / 0.008)
+    assert row.busbw == pytest.approx(4000 / 0.008 * 3 / 4)  # (n-1)/n for all-gather
