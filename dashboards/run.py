@@ -25,6 +25,16 @@ from zerowatch.events import PHASES, STEP_PARTS
 _STEP_AXIS = {"title": {"text": "step"}}
 
 
+def _time_per_step_layout(fig: go.Figure) -> go.Figure:
+    fig.update_layout(
+        hovermode="x unified",
+        xaxis=_STEP_AXIS,
+        yaxis={"title": {"text": "time per step (ms)"}, "rangemode": "tozero"},
+        legend={"traceorder": "normal"},
+    )
+    return fig
+
+
 def step_parts(step_time: Series, parts: Mapping[str, Series], hidden_comm: Series) -> go.Figure:
     """Step time per step stacked by its exclusive parts, with hidden communication beside.
 
@@ -61,13 +71,7 @@ def step_parts(step_time: Series, parts: Mapping[str, Series], hidden_comm: Seri
                        line={"color": th.EXPOSED_COLOR, "width": 2, "dash": "dot"},
                        hovertemplate="%{y:.3~f} ms (ran under compute)")
         )  # fmt: skip
-    fig.update_layout(
-        hovermode="x unified",
-        xaxis=_STEP_AXIS,
-        yaxis={"title": {"text": "time per step (ms)"}, "rangemode": "tozero"},
-        legend={"traceorder": "normal"},
-    )
-    return fig
+    return _time_per_step_layout(fig)
 
 
 def step_breakdown(
@@ -151,13 +155,7 @@ def step_breakdown(
                 hovertemplate="%{y:.3~f} ms (not hidden by compute)",
             )
         )
-    fig.update_layout(
-        hovermode="x unified",
-        xaxis=_STEP_AXIS,
-        yaxis={"title": {"text": "time per step (ms)"}, "rangemode": "tozero"},
-        legend={"traceorder": "normal"},
-    )
-    return fig
+    return _time_per_step_layout(fig)
 
 
 def collectives(latency: Mapping[str, Series], busbw: Mapping[str, Series]) -> go.Figure:
