@@ -22,7 +22,9 @@ How the rollups stay exact:
 
 Quantiles are linear interpolations between order statistics (numpy's default); ties for
 the min or max name the lowest rank. Several server processes may compact at once: on
-PostgreSQL a transaction-scoped advisory lock per run serialises their writes of one run.
+PostgreSQL each claims the runs it rolls up with a session advisory lock that the others
+skip (no step is computed twice), and a transaction-scoped advisory lock per run
+serialises the writes of one run with retention.
 
 Retention (`Retention`): per-rank rows of steps older than the newest `full_steps` are
 thinned to every `every`-th step; rollups are kept whole. A late rank of a thinned step is
@@ -31,12 +33,13 @@ dropped with its mark (its step's rollup was exact when the step was complete).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -412,11 +415,15 @@ class Compactor:
         """Roll up at most `max_steps` dirty steps. Returns how many were taken."""
         now = time.time() if now is None else now
         d = m.dirty_steps.c
-        with self._lock:
+        with self._lock, self._claim() as claimed:
             with self.db.read() as conn:
-                q = select(d.run, d.step, d.version)
-                if settle:
-                    q = q.where(d.since <= now - self.settle_s)
+                ready = [d.since <= now - self.settle_s] if settle else []
+                runs = [int(pk) for pk in
+                        conn.execute(select(d.run).where(*ready).distinct()).scalars()]  # fmt: skip
+                runs = [pk for pk in runs if claimed(pk)]
+                if not runs:
+                    return 0
+                q = select(d.run, d.step, d.version).where(d.run.in_(runs), *ready)
                 marks = conn.execute(q.order_by(d.run, d.step).limit(self.max_steps)).all()
                 if not marks:
                     return 0
@@ -436,6 +443,33 @@ class Compactor:
                 self._write(pk, items, computed[pk], horizons[pk])
             self.compacted += len(marks)
             return len(marks)
+
+    @contextlib.contextmanager
+    def _claim(self) -> Iterator[Callable[[int], bool]]:
+        """Runs this compactor may roll up now. On PostgreSQL, where every server process
+        runs a compactor, a run is claimed with a session advisory lock that the others
+        skip (`pg_try_advisory_lock`), so two processes never compute the same steps; the
+        locks go when the round ends. SQLite has one process: every run is its own."""
+        if self.db.dialect != "postgresql":
+            yield lambda pk: True
+            return
+        held: list[int] = []
+        with self.db.engine.connect() as lock_conn:
+
+            def claim(pk: int) -> bool:
+                got = lock_conn.execute(
+                    text("SELECT pg_try_advisory_lock(7078, :pk)"), {"pk": pk}
+                ).scalar()
+                if got:
+                    held.append(pk)
+                return bool(got)
+
+            try:
+                yield claim
+            finally:
+                for pk in held:
+                    lock_conn.execute(text("SELECT pg_advisory_unlock(7078, :pk)"), {"pk": pk})
+                lock_conn.commit()
 
     def _horizon(self, conn: Connection, pk: int) -> int:
         t = m.run_totals.c

@@ -105,3 +105,32 @@ def test_rollups_equal_a_direct_computation_with_late_missing_and_replayed_ranks
             if c.op == "all_gather":
                 hist = [a + b for a, b in zip(hist, c.buckets, strict=True)]
     assert totals["hist.all_gather"][1] == hist
+
+
+def test_compactors_of_several_server_processes_never_compute_the_same_run(pg_server) -> None:
+    """On PostgreSQL every server process runs a compactor: a run one of them has claimed is
+    skipped by the others, and every step is rolled up once."""
+    import uuid
+
+    url = str(pg_server.create_database("compact_" + uuid.uuid4().hex[:10]))
+    db = Database.open(url)
+    try:
+        pks = []
+        for seed in (1, 2):
+            spec = simulate.SimSpec(world_size=4, stage=3, spans_every=0, seed=seed)
+            rc = simulate.run_create(spec)
+            pks.append(store.create_run(db, run=rc)[0])
+            for events in simulate.steps(spec, 6):
+                store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, events))
+        a, b = rollups.Compactor(db), rollups.Compactor(db)
+        with a._claim() as claim_a:
+            assert claim_a(pks[0])  # A holds the first run (as if computing it)
+            assert b.flush() == 6  # B rolls up only the other run
+            with db.read() as conn:
+                assert rollups.dirty_in(conn, pks[0]) == list(range(6))
+                assert rollups.dirty_in(conn, pks[1]) == []
+        assert b.flush() == 6  # released: now the first run
+        with db.read() as conn:
+            assert rollups.dirty_in(conn, pks[0]) == []
+    finally:
+        db.close()
