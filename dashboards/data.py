@@ -128,6 +128,12 @@ class RunView:
     step_time_mean: Series = field(default_factory=Series)
     #: Communication compute hid (mean over ranks): beside the parts, not in their sum.
     hidden_comm: Series = field(default_factory=Series)
+    #: The distribution over ranks per step: {metric: {stat: Series}} for step time and
+    #: busy time, stats min, p10, p50, p90, max (the rollups').
+    spread: dict[str, dict[str, Series]] = field(default_factory=dict)
+    #: Ranks that stand out over the sampled window, each {"rank", "host", "what", "value",
+    #: "median", "unit"}: slowest busy time, highest memory peak, lowest bus bandwidth.
+    outliers: list[dict[str, Any]] = field(default_factory=list)
     exposed_comm: Series = field(default_factory=Series)
     latency: dict[str, Series] = field(default_factory=dict)
     busbw: dict[str, Series] = field(default_factory=dict)

@@ -74,6 +74,42 @@ def step_parts(step_time: Series, parts: Mapping[str, Series], hidden_comm: Seri
     return _time_per_step_layout(fig)
 
 
+def rank_spread(spread: Mapping[str, Mapping[str, Series]]) -> go.Figure:
+    """The distribution over ranks per step, for step time and busy time: the median line in
+    a p10-p90 band in a min-max band. One slow rank widens the top of the min-max band of
+    busy time; a slow node moves the p90 too. Draws the same for 2 ranks as for 4,096."""
+    names = [n for n in ("busy_s", "step_time_s") if spread.get(n)]
+    titles = {"busy_s": "busy time (step − exposed communication)", "step_time_s": "step time"}
+    fig = th.rows_figure("Ranks over steps: median, p10–p90, min–max", [titles[n] for n in names],
+                         height=200 * len(names) + 90, gap=0.1, showlegend=True,
+                         hovermode="x unified")  # fmt: skip
+    for k, name in enumerate(names, start=1):
+        st = spread[name]
+        axes = th.panel_axes(k)
+        first = k == 1
+
+        def band(lo: str, hi: str, label: str, alpha: float, st: Mapping[str, Series] = st,
+                 axes: dict = axes, first: bool = first) -> None:  # fmt: skip
+            fill = f"rgba(76,120,168,{alpha})"
+            fig.add_trace(go.Scatter(x=list(st[lo].steps), y=th.scaled(st[lo].values, 1e-3),
+                                     mode="lines", line={"width": 0}, showlegend=False,
+                                     legendgroup=label, hoverinfo="skip", **axes))  # fmt: skip
+            fig.add_trace(go.Scatter(x=list(st[hi].steps), y=th.scaled(st[hi].values, 1e-3),
+                                     mode="lines", line={"width": 0}, fill="tonexty",
+                                     fillcolor=fill, name=label, legendgroup=label,
+                                     showlegend=first, hoverinfo="skip", **axes))  # fmt: skip
+
+        band("min", "max", "min–max over ranks", 0.15)
+        band("p10", "p90", "p10–p90 over ranks", 0.35)
+        fig.add_trace(go.Scatter(x=list(st["p50"].steps), y=th.scaled(st["p50"].values, 1e-3),
+                                 mode="lines", name="median rank", legendgroup="median",
+                                 showlegend=first, line={"color": "#2d3436", "width": 2},
+                                 hovertemplate="median %{y:.3~f} ms", **axes))  # fmt: skip
+        fig.update_layout({f"yaxis{'' if k == 1 else k}": {"title": {"text": "ms"}}})
+    fig.update_layout({f"xaxis{len(names)}": {"title": {"text": "step"}}})
+    return fig
+
+
 def step_breakdown(
     step_time: Series, phases: Mapping[str, Series], exposed_comm: Series | None = None
 ) -> go.Figure:
@@ -474,6 +510,7 @@ def rank_heatmap(
 #: Charts of the run page in page order: (id, full width?).
 CHARTS = (
     ("breakdown", True),
+    ("spread", True),
     ("collectives", False),
     ("bandwidth", False),
     ("memory", False),
@@ -490,6 +527,8 @@ def figures(view: RunView) -> dict[str, go.Figure]:
         out["breakdown"] = step_parts(view.step_time_mean, view.parts, view.hidden_comm)
     elif view.step_time:
         out["breakdown"] = step_breakdown(view.step_time, view.phases, view.exposed_comm)
+    if view.spread and int(view.run.get("world_size", 1)) > 1:
+        out["spread"] = rank_spread(view.spread)
     if any(view.latency.values()) or any(view.busbw.values()):
         out["collectives"] = collectives(view.latency, view.busbw)
     if any(p.sizes for p in view.sizes.values()):

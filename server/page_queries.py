@@ -26,7 +26,7 @@ from zerowatch import events as ev
 MAX_POINTS = 400
 #: The rollups the run page draws (metric names, or prefixes of them).
 DRAWN = (
-    "step_time_s", "exposed_comm_s", "hidden_comm_s", "phase.", "part.", "offload.",
+    "step_time_s", "busy_s", "exposed_comm_s", "hidden_comm_s", "phase.", "part.", "offload.",
     "grad_norm", "loss", "lr",
     "loss_scale", "clipped", "skipped",
     *(f"collective.{op}.{f}" for op in ev.COLLECTIVE_OPS
@@ -98,6 +98,14 @@ def run_view(
         view.hidden_comm = _mean(got.get("hidden_comm_s", none), st)
     view.offload = {d: _p50(got[f"offload.{d}.bandwidth"], st) for d in ("d2h", "h2d")
                     if got.get(f"offload.{d}.bandwidth")}  # fmt: skip
+    for name in ("step_time_s", "busy_s"):
+        per = got.get(name, none)
+        xs = [s for s in st if s in per]
+        if xs:
+            view.spread[name] = {
+                stat: Series(xs, [per[s].get(stat) for s in xs])
+                for stat in ("min", "p10", "p50", "p90", "max")
+            }
     view.grad_norm = _p50(got.get("grad_norm", none), st)
     view.loss = _p50(got.get("loss", none), st)
     view.lr = _p50(got.get("lr", none), st)
@@ -122,6 +130,7 @@ def run_view(
     view.capacity_bytes = cap
     if theory and not view.theory:
         view.theory = theory
+    view.outliers = _outliers(db, pk, int(run["world_size"]), st[0] if st else None)
     heat = series.rank_heatmap(db=db, run_id=run_id, metric="busy_s", max_steps=len(st) or 1)
     if heat is not None:
         view.heat = RankGrid(heat["ranks"], heat["steps"], heat["z"])
@@ -130,6 +139,37 @@ def run_view(
             view.straggler = Straggler(rank=found["rank"], mean=found["mean"],
                                        median=found["median"])  # fmt: skip
     return view
+
+
+#: How far from the run's median (as a fraction) a rank must be to be listed.
+STANDS_OUT = 0.05
+#: What the outlier table lists, per kind: (metric, low values stand out?, how many, label).
+OUTLIER_KINDS = (
+    ("busy_s", False, 5, "slowest busy time"),
+    ("memory.peak", False, 2, "highest memory peak"),
+    ("collective.all_gather.busbw", True, 2, "lowest all-gather bus bandwidth"),
+    ("collective.reduce_scatter.busbw", True, 2, "lowest reduce-scatter bus bandwidth"),
+)
+
+
+def _outliers(db: Database, pk: int, world: int, first: int | None) -> list[dict[str, Any]]:
+    """The ranks that stand out over the page's window, from the rollups' outlier lists
+    (read.series.outliers): a few per kind, with their hosts; none for a one-rank run."""
+    if world < 2 or first is None:
+        return []
+    out: list[dict[str, Any]] = []
+    with db.read() as conn:
+        for metric, low, k, label in OUTLIER_KINDS:
+            for o in series.outliers(conn, pk, metric, k=k, step_from=first, low=low):
+                ratio = o["mean"] / o["median"] if o["median"] else None
+                if ratio is None or abs(ratio - 1.0) < STANDS_OUT:
+                    continue  # within the run's spread: not worth a row
+                out.append({"rank": o["rank"], "what": label, "value": o["mean"],
+                            "median": o["median"], "ratio": ratio, "metric": metric})  # fmt: skip
+        hosts = series.host_map(conn, pk, sorted({o["rank"] for o in out}))
+    for o in out:
+        o["host"] = hosts.get(o["rank"])
+    return out
 
 
 def _memory(

@@ -26,10 +26,11 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from zerowatch.dashboards import compare as compare_figs
 from zerowatch.dashboards import html
 from zerowatch.dashboards import plan as plan_figs
+from zerowatch.dashboards import rank as rank_figs
 from zerowatch.dashboards import run as run_figs
 from zerowatch.dashboards import theme as th
 from zerowatch.dashboards.data import RunView, Series
-from zerowatch.server import page_queries, read
+from zerowatch.server import page_queries, rank_pages, read
 from zerowatch.server.deps import DbDep, SettingsDep, require_read
 from zerowatch.server.read import doctor
 
@@ -185,6 +186,33 @@ def _refine(view: RunView, run_id: str, figures: dict[str, Any]) -> list[dict[st
     return [{"chart": "training", "trace": 0, "url": url}]
 
 
+def _fmt_metric(metric: str, value: float | None) -> str:
+    if metric.startswith("memory."):
+        return th.fmt_bytes(value)
+    if metric.endswith(".busbw"):
+        return th.fmt_rate(value, "B/s")
+    return th.fmt_seconds(value)
+
+
+def _outlier_rows(view: RunView, run_id: str) -> list[dict[str, Any]]:
+    """The run page's table of ranks that stand out, each linking to its rank view and to
+    its node's view."""
+    rid = quote(run_id, safe="")
+    return [
+        {
+            "rank": o["rank"],
+            "rank_url": f"/runs/{rid}/ranks/{o['rank']}",
+            "host": o["host"],
+            "host_url": f"/runs/{rid}/hosts/{quote(o['host'], safe='')}" if o["host"] else None,
+            "what": o["what"],
+            "value": _fmt_metric(o["metric"], o["value"]),
+            "median": _fmt_metric(o["metric"], o["median"]),
+            "ratio": f"{o['ratio']:.2f}×",
+        }
+        for o in view.outliers
+    ]
+
+
 def _view(db: Any, settings: Any, run_id: str) -> RunView | None:
     return page_queries.run_view(db=db, run_id=run_id, stalled_after_s=settings.stalled_after_s,
                                  recent_steps=settings.recent_steps)  # fmt: skip
@@ -220,6 +248,7 @@ def run_page(run_id: str, db: DbDep, settings: SettingsDep) -> HTMLResponse:
             "last_seen_ago": summary["last-seen"],
         },
         charts=[{"id": k, "wide": w} for k, w in run_figs.CHARTS if k in figures],
+        outliers=_outlier_rows(view, run_id),
         notes=run_figs.missing_notes(view, figures),
         figures=html.figures_payload(figures),
         refine=_refine(view, run_id, figures),
@@ -372,6 +401,74 @@ def plan_page(
         min_gpus=result.min_gpus,
     )
     return _page("plan.html", **context)
+
+
+# -- one rank, one node -------------------------------------------------------------------------
+
+
+def _ratio(value: float | None) -> str:
+    return f"{value:.2f}× median" if value is not None else "–"
+
+
+@router.get("/runs/{run_id}/ranks/{rank}", response_class=HTMLResponse)
+def rank_page(run_id: str, rank: int, db: DbDep, settings: SettingsDep) -> HTMLResponse:
+    """One rank: step and busy time, parts, collectives, memory, training vs the median rank."""
+    view = rank_pages.rank_view(db=db, run_id=run_id, rank=rank,
+                                stalled_after_s=settings.stalled_after_s,
+                                recent_steps=settings.recent_steps)  # fmt: skip
+    if view is None:
+        return _not_found("Rank not found", f"No run with id {run_id!r} and a rank {rank} "
+                                            "is stored here.")  # fmt: skip
+    figures = rank_figs.rank_figures(view)
+    busy = [v for v in view.busy.values if v is not None]
+    return _page(
+        "rank.html",
+        nav="runs",
+        run=view.run,
+        rank=view.rank,
+        host=view.host,
+        local_rank=view.local_rank,
+        steps=len(view.steps),
+        mean_busy_s=sum(busy) / len(busy) if busy else None,
+        ratio=_ratio(view.busy_ratio),
+        memory_step=view.memory_step,
+        charts=[{"id": k, "wide": w} for k, w in rank_figs.RANK_CHARTS if k in figures],
+        figures=html.figures_payload(figures),
+    )
+
+
+@router.get("/runs/{run_id}/hosts/{host:path}", response_class=HTMLResponse)
+def host_page(run_id: str, host: str, db: DbDep, settings: SettingsDep) -> HTMLResponse:
+    """One node: busy time of each of its ranks vs the median rank, and a table of them."""
+    view = rank_pages.host_view(db=db, run_id=run_id, host=host,
+                                stalled_after_s=settings.stalled_after_s,
+                                recent_steps=settings.recent_steps)  # fmt: skip
+    if view is None:
+        return _not_found("Node not found", f"No run with id {run_id!r} and a host {host!r} "
+                                            "is stored here.")  # fmt: skip
+    figures = rank_figs.host_figures(view)
+    medians = [v for v in view.busy_median.values if v is not None]
+    top = view.ranks[0] if view.ranks else None
+    return _page(
+        "host.html",
+        nav="runs",
+        run=view.run,
+        host=view.host,
+        steps=len(view.steps),
+        median_busy_s=sum(medians) / len(medians) if medians else None,
+        slowest=f"rank {top.rank} ({_ratio(top.ratio)})" if top and top.ratio else "–",
+        ranks=[
+            {
+                "rank": r.rank,
+                "local_rank": r.local_rank,
+                "mean_busy_s": r.mean_busy_s,
+                "ratio": _ratio(r.ratio),
+            }
+            for r in view.ranks
+        ],
+        charts=[{"id": k, "wide": w} for k, w in rank_figs.HOST_CHARTS if k in figures],
+        figures=html.figures_payload(figures),
+    )
 
 
 __all__ = ["router"]

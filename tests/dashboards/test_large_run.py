@@ -70,7 +70,8 @@ def test_run_page_of_a_million_rank_steps_renders_in_under_2s(big_server, probe)
     # descheduling of the browser on a shared 2-core machine is not the page's time.
     assert statistics.median(warm) < BUDGET_S
     got = charts(probe.page)
-    assert set(got) >= {"breakdown", "collectives", "bandwidth", "memory", "training", "ranks"}
+    assert set(got) >= {"breakdown", "spread", "collectives", "bandwidth", "memory", "training",
+                        "ranks"}  # fmt: skip
     for cid, c in got.items():  # downsampled: no line carries more than MAX_POINTS points
         limit = MAX_POINTS * WORLD if cid == "ranks" else MAX_POINTS
         assert max(c["points"]) <= limit, (cid, c["points"])

@@ -133,3 +133,42 @@ def test_compare_stacks_parts_that_meet_the_mean_step_time(stored):
     bars = [t for t in fig.data if t.type == "bar"]
     marker = next(t for t in fig.data if t.type == "scatter")
     assert sum(b.y[0] for b in bars) == pytest.approx(marker.y[0], rel=1e-9)
+
+
+def test_a_wide_run_page_shows_the_spread_over_ranks_and_names_its_straggler(tmp_path):
+    from zerowatch.dashboards.run import figures
+
+    db = Database.open(f"sqlite:///{tmp_path / 'wide.db'}")
+    try:
+        spec = sim.SimSpec(name="wide", stage=3, world_size=64, straggler_rank=37,
+                           straggler_factor=1.5, spans_every=0, seed=2)  # fmt: skip
+        rc = sim.run_create(spec)
+        store.create_run(db, run=rc)
+        events = [e for step in sim.steps(spec, 12) for e in step]
+        store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, events))
+        view = pq.run_view(db=db, run_id=rc.run_id)
+    finally:
+        db.close()
+    assert view is not None
+    busy = view.spread["busy_s"]
+    at5 = sorted(e.step_time_s - e.exposed_comm_s for e in events if e.step == 5)
+    assert busy["max"].values[5] == pytest.approx(at5[-1])
+    assert busy["min"].values[5] <= busy["p10"].values[5] <= busy["p50"].values[5]
+    assert busy["p50"].values[5] <= busy["p90"].values[5] <= busy["max"].values[5]
+    fig = figures(view)["spread"]
+    assert {t.name for t in fig.data if t.showlegend is not False} >= {
+        "min–max over ranks", "p10–p90 over ranks", "median rank"
+    }  # fmt: skip
+    # The table of ranks that stand out: the straggler first, slowest in busy time, with its
+    # host (8 ranks a host: rank 37 runs on the fifth).
+    first = view.outliers[0]
+    assert (first["rank"], first["what"]) == (37, "slowest busy time")
+    assert first["host"] == sim.host_of(spec, 37) and first["ratio"] > 1.3
+    assert all(abs(o["ratio"] - 1) >= pq.STANDS_OUT for o in view.outliers)
+
+
+def test_the_outlier_table_lists_only_the_rank_that_stands_out(stored):
+    db, rc, _ = stored
+    view = pq.run_view(db=db, run_id=rc.run_id)
+    assert view is not None
+    assert all(o["rank"] == 1 for o in view.outliers if o["what"] == "slowest busy time")

@@ -17,7 +17,7 @@ from zerowatch import simulate as sim
 
 pytestmark = pytest.mark.slow
 
-RUN_CHARTS = {"breakdown", "collectives", "bandwidth", "memory", "training", "ranks"}
+RUN_CHARTS = {"breakdown", "spread", "collectives", "bandwidth", "memory", "training", "ranks"}
 
 
 def test_run_page_follows_a_real_run_live_as_it_trains(seeded, probe):
@@ -162,6 +162,10 @@ def test_live_run_page_updates_in_place_when_steps_arrive(seeded, probe):
     assert_all_drawn(page)
     before = charts(page)["breakdown"]["maxX"]
     assert before == 9
+    # The ranks that stand out: the simulated straggler first, linking to its rank's view.
+    first = page.locator("#outliers tbody tr").first
+    assert first.get_attribute("data-rank") == "2"
+    assert first.locator("a").first.get_attribute("href") == f"/runs/{run_id}/ranks/2"
     # Mark the document and a chart's element: a reload or a fresh div would lose them.
     page.evaluate(
         "() => { window.__zwKeep = 1; document.getElementById('chart-breakdown').__zwKeep = 1; }"
