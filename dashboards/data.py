@@ -56,6 +56,11 @@ class RankGrid:
     ranks: Sequence[int] = ()
     steps: Sequence[int] = ()
     z: Sequence[Sequence[float | None]] = ()
+    #: Ranks per row: a wide run's rows are blocks of `block` ranks (ranks[i] the first),
+    #: each cell the block's maximum.
+    block: int = 1
+    #: Where a click on row i goes (the first rank's view), or empty.
+    links: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         if len(self.z) != len(self.ranks):

@@ -474,8 +474,14 @@ def rank_heatmap(
     grid: RankGrid, found: Straggler | None, *, quantity: str = "busy time"
 ) -> go.Figure:
     """A time per rank (rows) over steps (columns); the title names the straggler the
-    server's read model found (`found`), or says there is none."""
-    title = f"{quantity.capitalize()} per rank"
+    server's read model found (`found`), or says there is none. A wide run's rows are
+    blocks of ranks (at most ~256 rows), each cell the block's maximum, as the title says.
+    A click on a row opens its (first) rank's view (`grid.links`, read by the page's
+    script from `layout.meta`)."""
+    b = grid.block
+    title = f"{quantity.capitalize()} per rank" if b == 1 else (
+        f"{quantity.capitalize()}, max over each block of {b} ranks"
+    )  # fmt: skip
     if found is not None:
         title += f" — straggler: rank {found.rank} ({found.excess:+.0%} vs median rank)"
     else:
@@ -485,7 +491,7 @@ def rank_heatmap(
     fig.add_trace(
         go.Heatmap(
             x=list(grid.steps),
-            y=[f"rank {r}" for r in grid.ranks],
+            y=[f"rank {r}" if b == 1 else f"ranks {r}-{r + b - 1}" for r in grid.ranks],
             z=z,
             colorscale="YlOrRd",
             colorbar={"title": {"text": "ms"}},
@@ -497,13 +503,17 @@ def rank_heatmap(
             x=1.0,
             xref="paper",
             xanchor="right",
-            y=f"rank {found.rank}",
+            y=f"rank {found.rank}"
+            if b == 1
+            else f"ranks {found.rank // b * b}-{found.rank // b * b + b - 1}",
             text=f"◀ straggler rank {found.rank}",
             showarrow=False,
             font={"color": "#2d3436", "size": 12},
             bgcolor="rgba(255,255,255,0.8)",
         )
     fig.update_layout(xaxis=_STEP_AXIS, yaxis={"title": {"text": "rank"}, "autorange": "reversed"})
+    if grid.links:
+        fig.update_layout(meta={"rowLinks": list(grid.links)})
     return fig
 
 

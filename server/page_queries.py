@@ -11,6 +11,7 @@ cost of a page follows the steps drawn, not the ranks.
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 from sqlalchemy import select
 from zerowatch.dashboards.data import RankGrid, RunSummary, RunView, Series, SizePoints, Straggler
@@ -133,7 +134,9 @@ def run_view(
     view.outliers = _outliers(db, pk, int(run["world_size"]), st[0] if st else None)
     heat = series.rank_heatmap(db=db, run_id=run_id, metric="busy_s", max_steps=len(st) or 1)
     if heat is not None:
-        view.heat = RankGrid(heat["ranks"], heat["steps"], heat["z"])
+        rid = quote(run_id, safe="")
+        view.heat = RankGrid(heat["ranks"], heat["steps"], heat["z"], block=int(heat["block"]),
+                             links=[f"/runs/{rid}/ranks/{r}" for r in heat["ranks"]])  # fmt: skip
         found = heat["straggler"]
         if found is not None and found["median"]:
             view.straggler = Straggler(rank=found["rank"], mean=found["mean"],

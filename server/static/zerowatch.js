@@ -20,7 +20,22 @@
         Plotly.react(div, fig.data, fig.layout, config);
       } else {
         Plotly.newPlot(div, fig.data, fig.layout, config);
+        rowLinks(div);
       }
+    });
+  }
+
+  // A chart whose layout.meta.rowLinks holds one address per row of its first trace (the
+  // rank heatmap): a click on a row opens it.
+  function rowLinks(div) {
+    if (!div.on) return;
+    div.on("plotly_click", function (ev) {
+      var meta = div.layout && div.layout.meta;
+      var links = meta && meta.rowLinks;
+      var pt = ev && ev.points && ev.points[0];
+      if (!links || !pt) return;
+      var row = pt.data.y.indexOf(pt.y);
+      if (row >= 0 && links[row]) window.location.href = links[row];
     });
   }
 

@@ -166,6 +166,16 @@ def test_live_run_page_updates_in_place_when_steps_arrive(seeded, probe):
     first = page.locator("#outliers tbody tr").first
     assert first.get_attribute("data-rank") == "2"
     assert first.locator("a").first.get_attribute("href") == f"/runs/{run_id}/ranks/2"
+    # A click on a heatmap row opens that rank's view (Plotly's click event, as the page
+    # receives it).
+    with page.expect_navigation():
+        page.evaluate(
+            "() => { const d = document.getElementById('chart-ranks');"
+            " d.emit('plotly_click', {points: [{y: 'rank 2', data: d.data[0]}]}); }"
+        )
+    assert page.url.endswith(f"/runs/{run_id}/ranks/2")
+    page.goto(f"{seeded.url}/runs/{run_id}")
+    assert_all_drawn(page)
     # Mark the document and a chart's element: a reload or a fresh div would lose them.
     page.evaluate(
         "() => { window.__zwKeep = 1; document.getElementById('chart-breakdown').__zwKeep = 1; }"

@@ -193,6 +193,17 @@ def test_rank_heatmap_names_the_straggler_in_its_title():
     assert heat.colorbar.title.text == "ms"
 
 
+def test_a_wide_runs_heatmap_rows_are_blocks_of_ranks_that_link_to_a_rank_view():
+    grid = RankGrid(ranks=[0, 16, 32], steps=[0], z=[[0.5], [0.9], [0.5]], block=16,
+                    links=["/runs/r/ranks/0", "/runs/r/ranks/16", "/runs/r/ranks/32"])  # fmt: skip
+    fig = run.rank_heatmap(grid, Straggler(rank=21, mean=0.9, median=0.5))
+    (heat,) = fig.data
+    assert list(heat.y) == ["ranks 0-15", "ranks 16-31", "ranks 32-47"]
+    assert "max over each block of 16 ranks" in fig.layout.title.text
+    assert fig.layout.annotations[0].y == "ranks 16-31"  # the straggler's block
+    assert fig.layout.meta["rowLinks"][1] == "/runs/r/ranks/16"
+
+
 def test_the_heatmap_says_so_when_the_server_found_no_straggler():
     grid = RankGrid(ranks=[0, 1], steps=[0], z=[[0.50], [0.51]])
     fig = run.rank_heatmap(grid, None)
