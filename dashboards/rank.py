@@ -153,9 +153,9 @@ def parts(rank: int, mine: Mapping[str, float], run: Mapping[str, float]) -> go.
         mine: part -> the rank's mean seconds per step.
         run: part -> the mean over ranks (and the same steps).
     """
-    fig = th.figure("Where the step goes: exclusive parts (mean per step)", height=300,
-                    barmode="stack", legend=th.LEGEND_BELOW,
-                    margin={"l": 64, "r": 24, "t": 56, "b": 90})  # fmt: skip
+    fig = th.figure("Where the step goes: exclusive parts (mean per step)", height=320,
+                    barmode="stack", legend={**th.LEGEND_BELOW, "y": -0.4, "traceorder": "normal"},
+                    margin={"l": 64, "r": 24, "t": 56, "b": 110})  # fmt: skip
     rows = [f"rank {rank}", "run (mean rank)"]
     known = [p for p in STEP_PARTS if p in mine or p in run]
     known += sorted((set(mine) | set(run)) - set(known))
@@ -180,9 +180,9 @@ def collectives(
     run's median (dashed), over steps."""
     fig = th.rows_figure(
         "Collectives: this rank vs the median rank", ["latency per call", "bus bandwidth"],
-        height=480, margin={"l": 64, "r": 24, "t": 90, "b": 48}, hovermode="x unified",
+        height=520, margin={"l": 64, "r": 24, "t": 56, "b": 110}, hovermode="x unified",
+        legend={**th.LEGEND_BELOW, "y": -0.14},
     )  # fmt: skip
-    fig.update_layout(legend={"y": 1.1})
     ops = sorted(set(latency) | set(busbw) | set(latency_median) | set(busbw_median))
     for op in ops:
         color = th.OP_COLORS.get(op)
@@ -224,8 +224,7 @@ def memory(
     med = [peaks_median.get(p) for p in phases] + [model_state_median.get(k) for k in kinds]
     top = max(th.finite(mine + med), default=0.0)
     unit, scale = ("GiB", th.GIB) if top >= th.GIB else ("MiB", 2**20)
-    fig = th.figure(f"Memory: rank {rank} vs the median rank", height=400, barmode="group",
-                    legend=th.LEGEND_BELOW, margin={"l": 64, "r": 24, "t": 56, "b": 120})  # fmt: skip
+    fig = th.figure(f"Memory: rank {rank} vs the median rank", height=520, barmode="group")
     hover = f"%{{y:.4~f}} {unit}"
     fig.add_trace(go.Bar(x=x, y=th.scaled(mine, scale), name=f"rank {rank}",
                          marker={"color": "#4C78A8"}, hovertemplate=hover))  # fmt: skip
