@@ -188,3 +188,22 @@ def test_run_and_host_names_that_are_markup_stay_text(client):
         assert "&lt;script&gt;alert(1)&lt;/script&gt;" in got.text
     page = client.get(f"/runs/{rid}/ranks/0").text
     assert f'href="/runs/{rid}/hosts/%3Cscript%3Ealert%281%29%3C/script%3E"' in page
+
+
+def test_rank_and_host_views_read_only_their_ranks_rows(client, monkeypatch):
+    """Per-rank rows are read for the rank (or the host's ranks) only; the run's median
+    comes from the rollups, so the page's cost does not follow the world size."""
+    asked: list[object] = []
+    real = rank_pages.series.rank_rows
+
+    def spy(conn, pk, metric, *, ranks, **kw):  # type: ignore[no-untyped-def]
+        asked.append(None if ranks is None else tuple(ranks))
+        return real(conn, pk, metric, ranks=ranks, **kw)
+
+    monkeypatch.setattr(rank_pages.series, "rank_rows", spy)
+    db, rid = _db(client), client.ids["wide"]
+    assert rank_pages.rank_view(db=db, run_id=rid, rank=STRAGGLER) is not None
+    assert asked and set(asked) == {(STRAGGLER,)}
+    asked.clear()
+    assert rank_pages.host_view(db=db, run_id=rid, host="sim-node-0001") is not None
+    assert asked == [tuple(range(8, 16))]
