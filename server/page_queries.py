@@ -165,8 +165,8 @@ def _outliers(db: Database, pk: int, world: int, first: int | None) -> list[dict
         for metric, low, k, label in OUTLIER_KINDS:
             for o in series.outliers(conn, pk, metric, k=k, step_from=first, low=low):
                 ratio = o["mean"] / o["median"] if o["median"] else None
-                if ratio is None or abs(ratio - 1.0) < STANDS_OUT:
-                    continue  # within the run's spread: not worth a row
+                if ratio is None or (ratio > 1 - STANDS_OUT if low else ratio < 1 + STANDS_OUT):
+                    continue  # not out on the side that matters: not worth a row
                 out.append({"rank": o["rank"], "what": label, "value": o["mean"],
                             "median": o["median"], "ratio": ratio, "metric": metric})  # fmt: skip
         hosts = series.host_map(conn, pk, sorted({o["rank"] for o in out}))
