@@ -131,7 +131,7 @@ def run_view(
     view.capacity_bytes = cap
     if theory and not view.theory:
         view.theory = theory
-    view.outliers = _outliers(db, pk, int(run["world_size"]), st[0] if st else None)
+    view.outliers = _outliers(db, pk, int(run["world_size"]), bounds[1])
     heat = series.rank_heatmap(db=db, run_id=run_id, metric="busy_s", max_steps=len(st) or 1)
     if heat is not None:
         rid = quote(run_id, safe="")
@@ -144,6 +144,8 @@ def run_view(
     return view
 
 
+#: The newest steps over which ranks are found to stand out.
+OUTLIER_STEPS = 100
 #: How far from the run's median (as a fraction) a rank must be to be listed.
 STANDS_OUT = 0.05
 #: What the outlier table lists, per kind: (metric, low values stand out?, how many, label).
@@ -155,11 +157,13 @@ OUTLIER_KINDS = (
 )
 
 
-def _outliers(db: Database, pk: int, world: int, first: int | None) -> list[dict[str, Any]]:
-    """The ranks that stand out over the page's window, from the rollups' outlier lists
-    (read.series.outliers): a few per kind, with their hosts; none for a one-rank run."""
-    if world < 2 or first is None:
+def _outliers(db: Database, pk: int, world: int, last: int) -> list[dict[str, Any]]:
+    """The ranks that stand out over the newest OUTLIER_STEPS steps, from the rollups'
+    outlier lists (read.series.outliers): a few per kind, with their hosts; none for a
+    one-rank run. A fixed window: its cost is the same for a run of a million steps."""
+    if world < 2:
         return []
+    first = max(0, last - OUTLIER_STEPS + 1)
     out: list[dict[str, Any]] = []
     with db.read() as conn:
         for metric, low, k, label in OUTLIER_KINDS:

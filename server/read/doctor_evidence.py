@@ -13,6 +13,7 @@ from zerowatch.server import models as m
 from zerowatch.server.read import rollups, series
 from zerowatch.server.read.doctor_settings import DoctorSettings
 from zerowatch.server.read.rollups import Stats
+from zerowatch.server.read.vocabulary import rank_values
 
 #: Performance metrics read over the window: these names, and every name under a prefix.
 PERF_NAMES = ("step_time_s", "busy_s", "exposed_comm_s", "hidden_comm_s")
@@ -96,6 +97,18 @@ def step_gaps(
     return out
 
 
+def _rank_values(conn: Connection, pk: int, rank: int, lo: int, hi: int) -> dict[int, dict]:
+    """{step: every metric of the steps row} of one rank in [lo, hi] (its newest row of a
+    step where a restart replayed it)."""
+    s = m.steps.c
+    rows = conn.execute(
+        select(*(s[c] for c in rollups.STEP_COLS))
+        .where(s.run == pk, s.rank == rank, s.step >= lo, s.step <= hi)
+        .order_by(s.seq)
+    ).all()
+    return {int(r.step): rank_values(r._mapping, ()) for r in rows}
+
+
 def gather(
     conn: Connection, pk: int, run: dict[str, Any], settings: DoctorSettings
 ) -> Evidence | None:
@@ -121,12 +134,14 @@ def gather(
     if outl and int(run["world_size"]) > 1:
         worst = int(outl[0]["rank"])
         wanted = [n for n in (*RANK_PARTS, "busy_s") if perf.get(n)]
+        # Every wanted metric is a column (or part of one) of the steps rows: one read of
+        # the rank's rows in the window, each turned into its metrics at once.
+        per_step = _rank_values(conn, pk, worst, lo, hi)
         rank_means[worst] = {}
         for name in wanted:
-            rows = series.rank_rows(conn, pk, name, ranks=[worst], step_from=lo, step_to=hi)
-            vals = [float(v) for _, _, v in rows if v is not None]
+            vals = [v[name] for v in per_step.values() if name in v]
             if name == "busy_s":
-                rank_busy[worst] = {int(st): float(v) for _, st, v in rows if v is not None}
+                rank_busy[worst] = {st: v[name] for st, v in per_step.items() if name in v}
             if vals:
                 rank_means[worst][name] = statistics.fmean(vals)
     exposed = perf.get("exposed_comm_s") or {}

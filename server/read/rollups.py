@@ -129,7 +129,8 @@ def summarize(pairs: list[tuple[float, int]], *, ends: bool = False, k: int = TO
 
 # -- computing rollups from the per-rank rows ------------------------------------------------
 
-_STEP_COLS = (
+#: The steps columns `vocabulary.rank_values` reads.
+STEP_COLS = _STEP_COLS = (
     "rank", "seq", "step", "step_time_s", "exposed_comm_s", "hidden_comm_s", "grad_norm",
     "loss", "lr", "loss_scale", "samples_per_s", "tokens_per_s", "mfu", "samples", "tokens",
     "skipped", "nonfinite", "clipped", "phases", "parts", "offload", "memory", "scalars",
