@@ -213,6 +213,28 @@ def _outlier_rows(view: RunView, run_id: str) -> list[dict[str, Any]]:
     ]
 
 
+#: Findings of recently shown runs: (run id, newest step, newest event) -> (when, findings).
+_FINDINGS: dict[tuple[str, int, Any], tuple[float, Any]] = {}
+_FINDINGS_TTL_S = 30.0
+
+
+def _findings(db: Any, run_id: str, view: RunView) -> Any:
+    """The doctor's findings for the run page. They follow from the stored steps, so a
+    reload while no step arrived reuses them (for at most _FINDINGS_TTL_S, which bounds how
+    long a late rank's change can go unseen); the doctor costs a few hundred ms on a long
+    run, a third of the page."""
+    key = (run_id, view.last_step, view.run.get("last_event_at"))
+    now = time.monotonic()
+    hit = _FINDINGS.get(key)
+    if hit is not None and now - hit[0] < _FINDINGS_TTL_S:
+        return hit[1]
+    found = doctor.findings(db=db, run_id=run_id)
+    if len(_FINDINGS) >= 64:
+        _FINDINGS.clear()
+    _FINDINGS[key] = (now, found)
+    return found
+
+
 def _view(db: Any, settings: Any, run_id: str) -> RunView | None:
     return page_queries.run_view(db=db, run_id=run_id, stalled_after_s=settings.stalled_after_s,
                                  recent_steps=settings.recent_steps)  # fmt: skip
@@ -227,7 +249,7 @@ def run_page(run_id: str, db: DbDep, settings: SettingsDep) -> HTMLResponse:
     figures = run_figs.figures(view)
     summary = _summary(view)
     run = view.run
-    found = doctor.findings(db=db, run_id=run_id)
+    found = _findings(db, run_id, view)
     return _page(
         "run.html",
         findings=[
