@@ -169,11 +169,7 @@ def _outlier_values(conn: Connection, pk: int, ranks: list[int], step: int) -> d
     if not ranks:
         return {}
     s = m.steps.c
-    cols = [s[c] for c in ("rank", "seq", "step", "step_time_s", "exposed_comm_s",
-                           "hidden_comm_s", "grad_norm", "loss", "lr", "loss_scale",
-                           "samples_per_s", "tokens_per_s", "mfu", "samples", "tokens",
-                           "skipped", "nonfinite", "clipped", "phases", "parts", "offload",
-                           "memory", "scalars")]  # fmt: skip
+    cols = [s[c] for c in rollups.STEP_COLS]
     rows = conn.execute(select(*cols).where(s.run == pk, s.step == step, s.rank.in_(ranks))).all()
     return {int(r.rank): rank_values(r._mapping, ()) for r in rows}
 

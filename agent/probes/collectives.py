@@ -87,7 +87,7 @@ class CollectiveWindow:
             start, end = rec.cuda_events
             latency = max(float(start.elapsed_time(end)) / 1e3, 0.0)
             _add(self.aggs, rec.op, rec.purpose, rec.nbytes, rec.world_size, latency, rec.async_op)
-            if getattr(rec, "cuda_exposed", None) is not None:
+            if rec.cuda_exposed is not None:
                 before, after = rec.cuda_exposed
                 self.exposed_s += max(float(before.elapsed_time(after)) / 1e3, 0.0)
         self.pending_cuda = []
@@ -183,7 +183,7 @@ class CollectiveAggregator:
                      async_op)  # fmt: skip
                 w.intervals.append((rec.start, rec.end))
             # On CUDA the exposed time is the compute stream's stall, read with the events.
-            exposed = 0.0 if getattr(rec, "cuda_exposed", None) is not None else rec.exposed_s
+            exposed = 0.0 if rec.cuda_exposed is not None else rec.exposed_s
             if exposed > 0.0:
                 w.exposed_s += float(exposed)
             if w.spans is not None and len(w.spans) < self._max_spans:

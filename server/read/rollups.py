@@ -130,7 +130,7 @@ def summarize(pairs: list[tuple[float, int]], *, ends: bool = False, k: int = TO
 # -- computing rollups from the per-rank rows ------------------------------------------------
 
 #: The steps columns `vocabulary.rank_values` reads.
-STEP_COLS = _STEP_COLS = (
+STEP_COLS = (
     "rank", "seq", "step", "step_time_s", "exposed_comm_s", "hidden_comm_s", "grad_norm",
     "loss", "lr", "loss_scale", "samples_per_s", "tokens_per_s", "mfu", "samples", "tokens",
     "skipped", "nonfinite", "clipped", "phases", "parts", "offload", "memory", "scalars",
@@ -149,7 +149,7 @@ def compute(conn: Connection, pk: int, steps: Iterable[int]) -> dict[int, dict[s
     for i in range(0, len(wanted), _CHUNK):
         chunk = wanted[i : i + _CHUNK]
         rows = conn.execute(
-            select(*(s[n] for n in _STEP_COLS)).where(s.run == pk, s.step.in_(chunk))
+            select(*(s[n] for n in STEP_COLS)).where(s.run == pk, s.step.in_(chunk))
         ).all()
         newest: dict[tuple[int, int], Any] = {}
         for r in rows:
