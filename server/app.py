@@ -8,8 +8,10 @@ PostgreSQL database behind a load balancer) answer alike. Routes: the JSON API (
 under /api/v1, `/metrics`, `/healthz`, and the HTML pages (pages.py).
 
 Errors are JSON `{"detail": ...}`: validation problems are 422 with the location of each bad
-field (`loc`) and a one-line `message`; anything unforeseen is logged and answered 500
-without internals (the schemathesis test holds that none is reachable).
+field (`loc`) and a one-line `message`; a database that is down, restarting or out of
+disk is a 503 or 507 naming the cause, with Retry-After (db_errors.py); ingest past the
+admission bound is a 503 with Retry-After (admission.py); anything unforeseen is logged and
+answered 500 without internals (the schemathesis test holds that none is reachable).
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError
 from starlette.concurrency import run_in_threadpool
-from zerowatch.server import api
+from zerowatch.server import api, db_errors
+from zerowatch.server.admission import Admission, AdmissionMiddleware
 from zerowatch.server.db import Database
 from zerowatch.server.deps import require_read
 from zerowatch.server.ingest import Ingestor
@@ -60,13 +63,18 @@ def _install_error_handlers(app: FastAPI) -> None:
             errors.append(jsonable_encoder(e, custom_encoder={Exception: str}))
         return JSONResponse({"detail": errors, "message": _message(errors)}, status_code=422)
 
-    @app.exception_handler(OperationalError)
-    async def _db_busy(_request: Request, exc: OperationalError) -> JSONResponse:
-        log.warning("database unavailable: %s", exc.orig)
+    @app.exception_handler(DBAPIError)
+    async def _db_failed(request: Request, exc: DBAPIError) -> JSONResponse:
+        answer = db_errors.classify(exc)
+        if answer is None:
+            log.error("database error on %s %s", request.method, request.url.path, exc_info=exc)
+            return JSONResponse({"detail": "internal server error"}, status_code=500)
+        log.warning("%s %s: %d: %s", request.method, request.url.path, answer.status,
+                    answer.detail)  # fmt: skip
         return JSONResponse(
-            {"detail": "database unavailable, retry later"},
-            status_code=503,
-            headers={"Retry-After": "1"},
+            {"detail": answer.detail},
+            status_code=answer.status,
+            headers={"Retry-After": str(answer.retry_after_s)},
         )
 
 
@@ -180,8 +188,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.db = db
     app.state.compactor = compactor
     app.state.ingestor = ingestor = Ingestor(db, trace_sample_every=settings.trace_sample_every)
+    app.state.admission = admission = Admission(settings.ingest_max_pending)
     _install_error_handlers(app)
     app.add_middleware(RejectNulMiddleware)
+    app.add_middleware(AdmissionMiddleware, admission=admission)
     app.include_router(api.router)
 
     @app.get("/healthz", tags=["health"])

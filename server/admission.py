@@ -1,0 +1,141 @@
+"""Admission control of ingest: shed what the server cannot take, before it is read.
+
+A job of thousands of ranks whose server was away comes back all at once: every agent
+replays its spool. Taking every request would queue their batches (parsed, in memory) for
+the one writer thread without bound, and the event loop would spend itself parsing bodies
+that wait minutes, while pages and /metrics wait behind them. So ingest requests are
+admitted up to a bound (`Settings.ingest_max_pending`: admitted and not yet answered,
+which bounds the writer's queue too); one more is answered at once, before its body is
+read:
+
+    503  {"detail": "the server is busy: ...; retry after S s"}   Retry-After: S
+
+S spreads the crowd over the time the server needs to serve it. The server keeps a
+"next free slot" in time: each request it sheds is told to come back at that slot, which
+then moves on by the time one request takes (1 / the answers per second of the last
+seconds). A thousand agents shed together are handed a thousand slots one after another,
+so they return at about the rate the writer drains, instead of all at once again. The slot
+falls back to "now" when the crowd is gone. The agent waits at least S (with jitter).
+
+Pure ASGI (no request object, no body read): shedding costs the server next to nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+import time
+from typing import Any
+
+#: POST {prefix}/runs/{run_id}/events: the one path admission guards.
+_INGEST_PATH = re.compile(r"^/api/v1/runs/[^/]+/events/?$")
+#: Answers per second assumed before any was measured.
+_INITIAL_RATE = 20.0
+#: Measurement window of the answer rate.
+_RATE_WINDOW_S = 2.0
+
+
+class Admission:
+    """The bound on ingest requests in hand, and the Retry-After of those shed.
+
+    Thread-safe (the event loop admits; nothing else touches it, but tests may)."""
+
+    def __init__(self, max_pending: int, *, max_retry_after_s: int = 120) -> None:
+        if max_pending < 1:
+            raise ValueError(f"ingest_max_pending: must be >= 1, got {max_pending}")
+        self.max_pending = max_pending
+        self.max_retry_after_s = max_retry_after_s
+        self._lock = threading.Lock()
+        self.pending = 0
+        #: Requests admitted and shed since start (for tests, the benchmark and logs).
+        self.admitted = 0
+        self.shed = 0
+        self._rate = _INITIAL_RATE
+        self._window_start = time.monotonic()
+        self._window_answers = 0
+        self._next_slot = 0.0
+
+    def try_admit(self) -> int | None:
+        """Admit one request (None), or refuse it: the seconds it should wait."""
+        now = time.monotonic()
+        with self._lock:
+            if self.pending < self.max_pending:
+                self.pending += 1
+                self.admitted += 1
+                return None
+            self.shed += 1
+            slot = max(self._next_slot, now + 1.0)
+            self._next_slot = slot + 1.0 / self._rate
+            return min(math.ceil(slot - now), self.max_retry_after_s)
+
+    def release(self) -> None:
+        """One admitted request was answered."""
+        now = time.monotonic()
+        with self._lock:
+            self.pending -= 1
+            self._window_answers += 1
+            elapsed = now - self._window_start
+            if elapsed >= _RATE_WINDOW_S:
+                measured = self._window_answers / elapsed
+                # Under load the window is full of answers; an idle window says nothing.
+                if self.pending or measured > self._rate:
+                    self._rate = max(0.5 * self._rate + 0.5 * measured, 1.0)
+                self._window_start, self._window_answers = now, 0
+
+    @property
+    def rate(self) -> float:
+        """Ingest answers per second, as last measured under load."""
+        return self._rate
+
+
+class AdmissionMiddleware:
+    """Sheds ingest POSTs past `Admission.max_pending` with 503 + Retry-After (see module)."""
+
+    def __init__(self, app: Any, admission: Admission) -> None:
+        self.app = app
+        self.admission = admission
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if (
+            scope["type"] != "http"
+            or scope.get("method") != "POST"
+            or not _INGEST_PATH.match(scope.get("path", ""))
+        ):
+            await self.app(scope, receive, send)
+            return
+        wait_s = self.admission.try_admit()
+        if wait_s is not None:
+            await _busy(send, wait_s, self.admission)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.admission.release()
+
+
+async def _busy(send: Any, wait_s: int, admission: Admission) -> None:
+    body = json.dumps(
+        {
+            "detail": f"the server is busy: {admission.max_pending} ingest requests in hand "
+            f"(ingest_max_pending); retry after {wait_s} s"
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"retry-after", str(wait_s).encode()),
+                # The body was not read: do not keep a connection whose bytes are unread.
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+__all__ = ["Admission", "AdmissionMiddleware"]
