@@ -74,7 +74,7 @@ def classify(exc: BaseException) -> Unavailable | None:
             507,
             f"the database's disk is full ({_first_line(exc.orig)}); nothing of this request "
             "was stored: free space on the server's database volume, then retry",
-            30,
+            5,
         )
     if isinstance(exc, (OperationalError, InterfaceError)) or exc.connection_invalidated:
         cause = _first_line(exc.orig)

@@ -8,58 +8,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections import defaultdict
 from typing import Any
 
-import httpx
-from sqlalchemy import create_engine, text
 from support.live_server import LiveServer
-from support.sim_agents import SimAgents, prefill_spools
-from zerowatch.agent.client import IngestClient, ServerUnavailable
+from support.sim_agents import RecordingClient, SimAgents, prefill_spools, stored
 
 from zerowatch import simulate
 
 RANKS, OUTAGE_STEPS, LIVE_STEPS = 24, 40, 3
-
-
-class RecordingClient(IngestClient):
-    """The agent's client, noting when each POST started and ended and what it was told."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        #: (started, ended, status, retry_after_s) per POST of events.
-        self.posts: list[tuple[float, float, int, float | None]] = []
-
-    def _post(self, path: str, **kw: Any) -> httpx.Response:
-        t0 = time.monotonic()
-        try:
-            resp = super()._post(path, **kw)
-        except ServerUnavailable as e:
-            if path.endswith("/events"):
-                status = int(str(e).split(" ", 1)[0]) if str(e)[:3].isdigit() else 0
-                self.posts.append((t0, time.monotonic(), status, e.retry_after_s))
-            raise
-        if path.endswith("/events"):
-            self.posts.append((t0, time.monotonic(), resp.status_code, None))
-        return resp
-
-
-def stored(db_url: str, run_id: str) -> tuple[dict[int, list[int]], dict[int, int]]:
-    """Per rank: the seqs stored (sorted) and the server's own count of its steps."""
-    engine = create_engine(db_url)
-    try:
-        with engine.connect() as c:
-            pk = c.execute(text("SELECT id FROM runs WHERE run_id = :r"), {"r": run_id}).scalar()
-            seqs: dict[int, list[int]] = defaultdict(list)
-            for rank, seq in c.execute(
-                text("SELECT rank, seq FROM steps WHERE run = :p ORDER BY rank, seq"), {"p": pk}
-            ):
-                seqs[rank].append(seq)
-            rows = c.execute(text("SELECT rank, steps FROM rank_states WHERE run = :p"), {"p": pk})
-            counts = {rank: n for rank, n in rows}
-    finally:
-        engine.dispose()
-    return seqs, counts
 
 
 def test_a_storm_is_shed_with_retry_after_honoured_and_every_step_stored_once(tmp_path):

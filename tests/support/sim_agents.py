@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
+from sqlalchemy import create_engine, text
 from zerowatch.agent import codec
-from zerowatch.agent.client import IngestClient
+from zerowatch.agent.client import IngestClient, ServerUnavailable
 from zerowatch.agent.errors import AgentHealth
 from zerowatch.agent.spool import Spool
 from zerowatch.agent.transport import Transport, TransportStats
@@ -218,4 +221,54 @@ class SimAgents:
         return sum(h.dropped for h in self.healths)
 
 
-__all__ = ["AGENT_DEFAULTS", "SimAgents", "prefill_spools", "run_create_json"]
+class RecordingClient(IngestClient):
+    """The agent's client, noting when each POST started and ended and what it was told."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: (started, ended, status, retry_after_s) per POST of events.
+        self.posts: list[tuple[float, float, int, float | None]] = []
+
+    def _post(self, path: str, **kw: Any) -> httpx.Response:
+        t0 = time.monotonic()
+        try:
+            resp = super()._post(path, **kw)
+        except ServerUnavailable as e:
+            if path.endswith("/events"):
+                status = int(str(e).split(" ", 1)[0]) if str(e)[:3].isdigit() else 0
+                self.posts.append((t0, time.monotonic(), status, e.retry_after_s))
+            raise
+        if path.endswith("/events"):
+            self.posts.append((t0, time.monotonic(), resp.status_code, None))
+        return resp
+
+    def statuses(self) -> set[int]:
+        return {p[2] for p in self.posts}
+
+
+def stored(db_url: str, run_id: str) -> tuple[dict[int, list[int]], dict[int, int]]:
+    """Per rank: the seqs stored (sorted) and the server's own count of its steps."""
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as c:
+            pk = c.execute(text("SELECT id FROM runs WHERE run_id = :r"), {"r": run_id}).scalar()
+            seqs: dict[int, list[int]] = defaultdict(list)
+            for rank, seq in c.execute(
+                text("SELECT rank, seq FROM steps WHERE run = :p ORDER BY rank, seq"), {"p": pk}
+            ):
+                seqs[rank].append(seq)
+            rows = c.execute(text("SELECT rank, steps FROM rank_states WHERE run = :p"), {"p": pk})
+            counts = {rank: n for rank, n in rows}
+    finally:
+        engine.dispose()
+    return seqs, counts
+
+
+__all__ = [
+    "AGENT_DEFAULTS",
+    "RecordingClient",
+    "SimAgents",
+    "prefill_spools",
+    "run_create_json",
+    "stored",
+]
