@@ -59,7 +59,7 @@ class Settings:
     #: parsing, waiting for the writer). One more gets 503 with Retry-After before its body
     #: is read (server/admission.py), so agents replaying their spools all at once cannot
     #: grow the writer's queue, or memory, without bound.
-    ingest_max_pending: int = 256
+    ingest_max_pending: int = 128
 
     def __post_init__(self) -> None:
         if not self.db_url:

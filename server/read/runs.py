@@ -264,6 +264,18 @@ def get_run(
                         recent_steps=recent_steps)  # fmt: skip
 
 
+def run_record(
+    *, db: Database, run_id: str, stalled_after_s: float = 120.0, now: float | None = None
+) -> dict[str, Any] | None:
+    """The run's own record (what was created, and its status), without the rank summary
+    and recent performance of `get_run`: what POST /runs answers. It costs the same at any
+    world size, which matters when every rank of a large job creates its run at once."""
+    now = time.time() if now is None else now
+    with db.read() as conn:
+        row = conn.execute(select(m.runs).where(m.runs.c.run_id == run_id)).first()
+        return None if row is None else run_dict(row, now=now, stalled_after_s=stalled_after_s)
+
+
 def live_rows(conn: Connection, *, now: float, grace_s: float, forget_after_s: float) -> list[Any]:
     """Runs /metrics exposes: running and heard from within `forget_after_s`, or ended less
     than `grace_s` ago."""
