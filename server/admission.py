@@ -156,9 +156,9 @@ async def _busy(send: Any, wait_s: int, admission: Admission) -> None:
             "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
+                # The connection stays open: the server discards the unread body, and a
+                # crowd that reconnected for every retry would cost more than its requests.
                 (b"retry-after", str(wait_s).encode()),
-                # The body was not read: do not keep a connection whose bytes are unread.
-                (b"connection", b"close"),
             ],
         }
     )
