@@ -138,7 +138,11 @@ def _agents_worker(
         if step_s > 0 and time.monotonic() >= next_tick:
             agents.step()
             next_tick += step_s
-        if drained_at is None and not any(t.spool.pending for t in agents.transports):
+        if (
+            outage_steps
+            and drained_at is None
+            and not any(t.spool.pending for t in agents.transports)
+        ):
             drained_at = time.time()
             conn.send(("drained", drained_at - started))
         stop.wait(0.25)
