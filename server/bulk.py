@@ -113,10 +113,10 @@ class TupleInsert:
             flat: list[Any] = []
             if json_at:
                 for row in chunk:
-                    values = list(row)
+                    cells = list(row)
                     for j in json_at:
-                        values[j] = json_text(values[j])
-                    flat.extend(values)
+                        cells[j] = json_text(cells[j])
+                    flat.extend(cells)
             else:
                 for row in chunk:
                     flat.extend(row)
