@@ -184,42 +184,86 @@ def _num(v: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
+#: (prefix, key) -> the metric name, or "" for a key the vocabulary refuses: a rank-step
+#: holds some 50 keyed values and a run a few dozen distinct keys, so each key is checked
+#: and named once, not once per rank-step (bounded: user scalars could be many).
+_NAMES: dict[tuple[str, str], str] = {}
+_MAX_NAMES = 100_000
+
+
+def _name(prefix: str, key: str) -> str:
+    name = _NAMES.get((prefix, key))
+    if name is None:
+        name = f"{prefix}.{key}" if KEY_RE.fullmatch(key) else ""
+        if len(_NAMES) < _MAX_NAMES:
+            _NAMES[(prefix, key)] = name
+    return name
+
+
+def _put(out: dict[str, float], prefix: str, values: Mapping[str, Any]) -> None:
+    """out[prefix.key] = value for each key the vocabulary knows and finite number."""
+    names = _NAMES
+    for k, v in values.items():
+        name = names.get((prefix, k)) or _name(prefix, k)
+        if not name:
+            continue
+        if type(v) is float:  # the common case: no call
+            if v - v == 0.0:  # finite (inf - inf and nan - nan are nan)
+                out[name] = v
+        else:
+            f = _num(v)
+            if f is not None:
+                out[name] = f
+
+
 def rank_values(row: Mapping[str, Any], colls: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     """Every metric of one rank-step: `row` is its steps row (a mapping by column name),
-    `colls` its collectives rows. Metrics without a finite value are left out."""
+    `colls` its collectives rows. Metrics without a finite value are left out.
+
+    This runs for every rank-step the compactor rolls up: the common cases (finite floats,
+    keys seen before) take no function call."""
     out: dict[str, float] = {}
     for name in _PLAIN:
-        v = _num(row[name])
-        if v is not None:
-            out[name] = v
-    out["busy_s"] = float(row["step_time_s"]) - float(row["exposed_comm_s"])
-    for flag in ("skipped", "nonfinite", "clipped"):
-        out[flag] = 1.0 if row[flag] else 0.0
-    for prefix, col in (("phase", "phases"), ("part", "parts"), ("scalars", "scalars")):
-        for k, v in (row[col] or {}).items():
+        v = row[name]
+        if type(v) is float:
+            if v - v == 0.0:
+                out[name] = v
+        else:
             f = _num(v)
-            if f is not None and KEY_RE.fullmatch(k):
-                out[f"{prefix}.{k}"] = f
+            if f is not None:
+                out[name] = f
+    out["busy_s"] = float(row["step_time_s"]) - float(row["exposed_comm_s"])
+    out["skipped"] = 1.0 if row["skipped"] else 0.0
+    out["nonfinite"] = 1.0 if row["nonfinite"] else 0.0
+    out["clipped"] = 1.0 if row["clipped"] else 0.0
+    for prefix, col in (("phase", "phases"), ("part", "parts"), ("scalars", "scalars")):
+        d = row[col]
+        if d:
+            _put(out, prefix, d)
     for d, vals in (row["offload"] or {}).items():
         for fld, v in vals.items():
             f = _num(v)
             if f is not None and fld in OFFLOAD_FIELDS:
                 out[f"offload.{d}.{fld}"] = f
-    mem = row["memory"] or {}
+    mem = row["memory"]
     if mem:
         for short, long in MEMORY_SCALARS.items():
             f = _num(mem.get(long))
             if f:
                 out[f"memory.{short}"] = f
         for short, long in _NESTED_MEMORY.items():
-            vals = {k: _num(v) for k, v in (mem.get(long) or {}).items() if KEY_RE.fullmatch(k)}
-            vals = {k: v for k, v in vals.items() if v is not None}
-            for k, v in vals.items():
-                out[f"memory.{short}.{k}"] = v  # type: ignore[assignment]
-            if vals and short == "peak":
-                out["memory.peak"] = max(vals.values())  # type: ignore[type-var]
-            if vals and short == "state":
-                out["memory.state"] = sum(vals.values())  # type: ignore[arg-type]
+            inner = mem.get(long)
+            if not inner:
+                continue
+            before = len(out)
+            mark = dict.fromkeys(out)
+            _put(out, f"memory.{short}", inner)
+            if len(out) > before and short in ("peak", "state"):
+                vals = [v for k, v in out.items() if k not in mark]
+                if short == "peak":
+                    out["memory.peak"] = max(vals)
+                else:
+                    out["memory.state"] = sum(vals)
     per_op: dict[str, list[float]] = {}
     for c in colls:
         acc = per_op.setdefault(c["op"], [0.0, 0.0, 0.0, 0.0, 0.0])
