@@ -351,7 +351,7 @@ class _Statements:
             "dirty": (
                 dirty.on_conflict_do_update(
                     index_elements=["run", "step"],
-                    set_={"version": m.dirty_steps.c.version + 1},
+                    set_={"version": m.dirty_steps.c.version + 1, "since": dirty.excluded.since},
                 ),
                 DIRTY_COLUMNS,
             ),

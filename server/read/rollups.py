@@ -11,8 +11,10 @@ How the rollups stay exact:
 
 1. Ingest writes the per-rank rows and, in the same transaction, bumps a version on the
    step's `dirty_steps` mark (store.py).
-2. The `Compactor` thread takes marks that have settled (`settle_s` since the first mark,
-   so a step's ranks have mostly arrived), reads the step's rows, computes the rollups, and
+2. The `Compactor` thread takes marks that have settled (no rank wrote to the step for
+   `settle_s`: its ranks have arrived; a step that is still arriving would be rolled up
+   again and again, at the cost of all its rows each time), reads the step's rows,
+   computes the rollups, and
    in one short transaction replaces the step's rollup rows, applies the change to the
    run's totals, and clears the marks whose version it read. A rank that arrived meanwhile
    bumped the version: its mark stays and the step is rolled up again, late ranks included.
