@@ -50,7 +50,7 @@ import orjson
 from sqlalchemy import Connection, and_, delete, func, select, text, tuple_
 from zerowatch.server import models as m
 from zerowatch.server.db import Database
-from zerowatch.server.read.vocabulary import rank_values
+from zerowatch.server.read.vocabulary import rank_table
 
 from zerowatch import events as ev
 
@@ -193,8 +193,8 @@ def compute(conn: Connection, pk: int, steps: Iterable[int]) -> dict[int, dict[s
     counts once, with its newest.
 
     Rows are read as the driver returns them (no per-value result processing), each
-    rank-step's metrics come from `vocabulary.rank_values`, and each (step, metric) column
-    over ranks is summarised with numpy (`_stats_of`)."""
+    step's metrics come from `vocabulary.rank_table` (a column over its ranks for each
+    metric), and each column is summarised with numpy (`_stats_of`)."""
     wanted = sorted(set(steps))
     out: dict[int, dict[str, Stats]] = {}
     s, c = m.steps.c, m.collectives.c
@@ -215,14 +215,14 @@ def compute(conn: Connection, pk: int, steps: Iterable[int]) -> dict[int, dict[s
         for raw in _raw_rows(conn, query):
             cr = dict(zip(_COLL_COLS, raw, strict=True))
             colls[(cr["rank"], cr["seq"])].append(cr)
-        per_step: dict[int, list[tuple[int, dict[str, float]]]] = defaultdict(list)
+        per_step: dict[int, list[tuple[int, dict[str, Any], Any]]] = defaultdict(list)
         # Per step and op: the ranks' histogram buckets and latency sums, added up below.
         hists: dict[int, dict[str, tuple[list[Any], list[float]]]] = defaultdict(dict)
         for (step, rank), r in sorted(newest.items()):
             for col in json_cols:
                 r[col] = _json(r[col])
             cs = colls.get((rank, r["seq"]), ())
-            per_step[step].append((rank, rank_values(r, cs)))
+            per_step[step].append((rank, r, cs))
             for cr in cs:
                 h = hists[step].get(cr["op"])
                 if h is None:
@@ -230,13 +230,10 @@ def compute(conn: Connection, pk: int, steps: Iterable[int]) -> dict[int, dict[s
                 h[0].append(_json(cr["buckets"])[:N_BUCKETS])
                 h[1].append(cr["latency_sum_s"])
         for step, rows in per_step.items():
-            ranks = np.array([rank for rank, _ in rows], dtype=np.int64)
-            names: dict[str, None] = {}
-            for _, values in rows:
-                names.update(dict.fromkeys(values))
+            ranks = np.array([rank for rank, _, _ in rows], dtype=np.int64)
+            table = rank_table([r for _, r, _ in rows], [cs for _, _, cs in rows])
             stats: dict[str, Stats] = {}
-            for name in names:
-                column = np.array([values.get(name, math.nan) for _, values in rows], dtype=float)
+            for name, column in table.items():
                 st = _stats_of(column, ranks, ends=name in OUTLIER_METRICS)
                 if st is not None:
                     stats[name] = st
