@@ -8,8 +8,11 @@ by SQLAlchemy (so its ON CONFLICT / RETURNING clauses are SQLAlchemy's own), and
 are given as tuples in the statement's column order, with the JSON columns written by
 orjson:
 
-- SQLite: `INSERT ... VALUES (?, ...), (?, ...), ... <clauses>`, at most `SQLITE_ROWS` rows
-  a statement (SQLite allows 32,766 parameters), one flat parameter tuple.
+- SQLite: a statement without RETURNING is prepared once for one row and run over all rows
+  by the driver (`executemany`); one with RETURNING (the steps' insert, which tells which
+  events are new) as `INSERT ... VALUES (?, ...), (?, ...), ... <clauses>` in chunks of a
+  few fixed sizes, so SQLite prepares each text once (a new text for every group's row
+  count made preparing most of the writer's time when groups were small).
 - PostgreSQL: `INSERT ... SELECT * FROM unnest(CAST(%(c)s AS type[]), ...) <clauses>`: one
   array parameter per column, so the statement text is the same for any number of rows
   (psycopg parses a new text anew: with SQLAlchemy's multi-row VALUES that parse was half
@@ -28,9 +31,6 @@ from typing import Any
 import orjson
 from sqlalchemy import JSON, Boolean, Connection, Float, Integer
 from sqlalchemy.dialects import postgresql, sqlite
-
-#: Rows of one SQLite statement (parameters = rows x columns stay under 32,766).
-SQLITE_ROWS = 500
 
 
 def json_text(value: Any) -> str:
@@ -86,6 +86,7 @@ class TupleInsert:
             order = compiled.positiontup or []
             self._tail_params = tuple(compiled.params[k] for k in order[len(self.columns) :])
             self._sql_by_n: dict[int, str] = {}
+            self._returning = " RETURNING " in tail
 
     def execute(self, conn: Connection, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Insert `rows`; returns the RETURNING rows (empty without a RETURNING clause)."""
@@ -102,29 +103,45 @@ class TupleInsert:
                     params[c] = [None if v is None else to(v) for v in values]
             result = conn.exec_driver_sql(self._pg_sql, params)
             return list(result) if result.returns_rows else []
-        out: list[Any] = []
         json_at = [i for i, j in enumerate(self._json) if j]
-        for i in range(0, len(rows), SQLITE_ROWS):
-            chunk = rows[i : i + SQLITE_ROWS]
-            sql = self._sql_by_n.get(len(chunk))
-            if sql is None:
-                sql = self._head + ", ".join([self._group] * len(chunk)) + self._tail
-                self._sql_by_n[len(chunk)] = sql
+        if json_at:
+            cells: list[list[Any]] = [list(row) for row in rows]
+            for cell in cells:
+                for j in json_at:
+                    cell[j] = json_text(cell[j])
+            rows = [tuple(cell) for cell in cells]  # the JSON columns as text
+        if not self._returning:
+            # One prepared single-row statement, run for every row in C (executemany).
+            conn.exec_driver_sql(self._sql(1), [(*row, *self._tail_params) for row in rows])
+            return []
+        # RETURNING needs one statement per chunk: chunks of a few sizes (powers of two), so
+        # that SQLite prepares a handful of statement texts once and reuses them, instead of
+        # preparing a new text of thousands of parameters for every group's row count.
+        out: list[Any] = []
+        i = 0
+        while i < len(rows):
+            size = _CHUNKS[0]
+            for size in _CHUNKS:
+                if size <= len(rows) - i:
+                    break
             flat: list[Any] = []
-            if json_at:
-                for row in chunk:
-                    cells = list(row)
-                    for j in json_at:
-                        cells[j] = json_text(cells[j])
-                    flat.extend(cells)
-            else:
-                for row in chunk:
-                    flat.extend(row)
+            for row in rows[i : i + size]:
+                flat.extend(row)
             flat.extend(self._tail_params)
-            result = conn.exec_driver_sql(sql, tuple(flat))
-            if result.returns_rows:
-                out.extend(result)
+            out.extend(conn.exec_driver_sql(self._sql(size), tuple(flat)))
+            i += size
         return out
 
+    def _sql(self, n: int) -> str:
+        sql = self._sql_by_n.get(n)
+        if sql is None:
+            sql = self._sql_by_n[n] = self._head + ", ".join([self._group] * n) + self._tail
+        return sql
 
-__all__ = ["SQLITE_ROWS", "TupleInsert", "json_text"]
+
+#: Rows of one SQLite statement with RETURNING, largest first (rows x columns stays under
+#: SQLite's 32,766 parameters).
+_CHUNKS = (256, 64, 16, 4, 1)
+
+
+__all__ = ["TupleInsert", "json_text"]

@@ -12,8 +12,9 @@ How the rollups stay exact:
 1. Ingest writes the per-rank rows and, in the same transaction, bumps a version on the
    step's `dirty_steps` mark (store.py).
 2. The `Compactor` thread takes marks that have settled (no rank wrote to the step for
-   `settle_s`: its ranks have arrived; a step that is still arriving would be rolled up
-   again and again, at the cost of all its rows each time), reads the step's rows,
+   `settle_s`) of steps that every rank has reached (or that nobody wrote to for
+   `incomplete_s`: a rank died): a step that is still arriving would be rolled up again
+   and again, at the cost of all its rows each time. It reads the step's rows,
    computes the rollups, and
    in one short transaction replaces the step's rollup rows, applies the change to the
    run's totals, and clears the marks whose version it read. A rank that arrived meanwhile
@@ -426,6 +427,7 @@ class Compactor:
         *,
         interval_s: float = 0.5,
         settle_s: float = 0.5,
+        incomplete_s: float = 30.0,
         max_steps: int = 256,
         retention: Retention | None = None,
         retention_interval_s: float = 30.0,
@@ -433,6 +435,7 @@ class Compactor:
         self.db = db
         self.interval_s = interval_s
         self.settle_s = settle_s
+        self.incomplete_s = max(incomplete_s, settle_s)
         self.max_steps = max_steps
         self.retention = retention or Retention()
         self.retention_interval_s = retention_interval_s
@@ -491,8 +494,10 @@ class Compactor:
                 runs = [pk for pk in runs if claimed(pk)]
                 if not runs:
                     return 0
-                q = select(d.run, d.step, d.version).where(d.run.in_(runs), *ready)
+                q = select(d.run, d.step, d.version, d.since).where(d.run.in_(runs), *ready)
                 marks = conn.execute(q.order_by(d.run, d.step).limit(self.max_steps)).all()
+                if settle:
+                    marks = self._complete_or_old(conn, marks, now)
                 if not marks:
                     return 0
                 by_run: dict[int, list[tuple[int, int]]] = defaultdict(list)
@@ -511,6 +516,39 @@ class Compactor:
                 self._write(pk, items, computed[pk], horizons[pk])
             self.compacted += len(marks)
             return len(marks)
+
+    def _complete_or_old(self, conn: Connection, marks: list[Any], now: float) -> list[Any]:
+        """The settled marks worth rolling up now: steps that every rank of the run has
+        reached, and steps nobody wrote to for `incomplete_s` (a rank that died, or one
+        whose agent is offline). A step whose last ranks are still on their way would be
+        rolled up now and again when they arrive: a step's ranks reach a busy server over
+        one flush interval of the agents (16 s at 4,096 ranks), and a pause of the server
+        longer than `settle_s` in between is no sign that they are all in."""
+        s = m.steps.c
+        by_run: dict[int, list[Any]] = defaultdict(list)
+        for mk in marks:
+            by_run[int(mk.run)].append(mk)
+        sizes: dict[int, int] = dict(
+            conn.execute(
+                select(m.runs.c.id, m.runs.c.world_size).where(m.runs.c.id.in_(list(by_run)))
+            ).all()
+        )
+        old = now - self.incomplete_s
+        keep = []
+        for pk, items in by_run.items():
+            young = [int(mk.step) for mk in items if mk.since > old]
+            counts: dict[int, int] = {}
+            for i in range(0, len(young), _CHUNK):
+                counts.update(
+                    conn.execute(
+                        select(s.step, func.count())
+                        .where(s.run == pk, s.step.in_(young[i : i + _CHUNK]))
+                        .group_by(s.step)
+                    ).all()
+                )
+            world = int(sizes.get(pk) or 0)
+            keep += [mk for mk in items if mk.since <= old or counts.get(int(mk.step), 0) >= world]
+        return keep
 
     @contextlib.contextmanager
     def _claim(self) -> Iterator[Callable[[int], bool]]:
