@@ -152,6 +152,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         db,
         interval_s=settings.rollup_interval_s,
         settle_s=settings.rollup_settle_s,
+        incomplete_s=settings.rollup_incomplete_s,
         retention=Retention(
             full_steps=settings.retention_full_steps, every=settings.retention_every
         ),
