@@ -192,6 +192,49 @@ def rows_figure(
                              **layout})  # fmt: skip
 
 
+def grid_figure(
+    title: str, panels: list[str], *, cols: int, row_height: int, gap: float = 0.07,
+    **layout: object,
+) -> go.Figure:  # fmt: skip
+    """A figure of panels in a grid of `cols` columns (filled row by row) sharing one step
+    axis: panel k (1 = top left) draws on axes `x{k}`/`y{k}` (`panel_axes(k)`), its title
+    above it; the bottom panel of each column shows the step ticks. Laid out by hand, as
+    `rows_figure`."""
+    n = len(panels)
+    rows = max(1, -(-n // cols))
+    height = row_height * rows + 90
+    vgap = 50 / height  # room for a panel title, in paper units
+    span_y = (1.0 - vgap * (rows - 1)) / rows
+    span_x = (1.0 - gap * (cols - 1)) / cols
+    spec: dict[str, object] = {}
+    annotations = []
+    for k in range(1, n + 1):
+        r, c = divmod(k - 1, cols)
+        top = 1.0 - r * (span_y + vgap)
+        left = c * (span_x + gap)
+        bottom_of_column = k + cols > n
+        spec[_axis_key("yaxis", k)] = {
+            **AXIS_STYLE, "anchor": f"x{k}" if k > 1 else "x",
+            "domain": [max(round(top - span_y, 6), 0.0), round(top, 6)],
+        }  # fmt: skip
+        spec[_axis_key("xaxis", k)] = {
+            **AXIS_STYLE, "anchor": f"y{k}" if k > 1 else "y", "showticklabels": bottom_of_column,
+            "domain": [round(left, 6), min(round(left + span_x, 6), 1.0)],
+            **({"matches": "x"} if k > 1 else {}),
+        }  # fmt: skip
+        annotations.append({"text": panels[k - 1], "x": left + span_x / 2, "xref": "paper",
+                            "xanchor": "center", "y": top, "yref": "paper", "yanchor": "bottom",
+                            "showarrow": False, "font": {"size": 13}})  # fmt: skip
+    return go.Figure(layout={**base_layout(title, height=height), **spec,
+                             "annotations": annotations, **layout})  # fmt: skip
+
+
+def rgba(color: str, alpha: float) -> str:
+    """A `#RRGGBB` colour with an opacity, as plotly takes it (`rgba(r,g,b,a)`)."""
+    r, g, b = (int(color[i : i + 2], 16) for i in (1, 3, 5))
+    return f"rgba({r},{g},{b},{alpha})"
+
+
 def panel_axes(k: int) -> dict[str, str]:
     """The trace properties that put a trace on panel k of a `rows_figure`."""
     return {"xaxis": "x" if k == 1 else f"x{k}", "yaxis": "y" if k == 1 else f"y{k}"}
@@ -285,11 +328,13 @@ __all__ = [
     "fmt_bytes",
     "fmt_rate",
     "fmt_seconds",
+    "grid_figure",
     "kind_label",
     "note_figure",
     "op_label",
     "panel_axes",
     "phase_label",
+    "rgba",
     "rows_figure",
     "scaled",
     "style_axes",
