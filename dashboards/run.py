@@ -178,8 +178,9 @@ def collectives(
         spread: `collective.<op>.latency_s` / `.busbw` -> stat -> Series, as RunView.spread.
     """
     fig = th.rows_figure(
-        "Collectives over steps (median rank; bands: p10–p90, min–max over ranks)",
-        ["latency per call", "bus bandwidth"], height=480,
+        "Collectives over steps",
+        ["latency per call: median rank, p10–p90 and min–max bands",
+         "bus bandwidth: median rank, p10–p90 and min–max bands"], height=480,
         margin={"l": 64, "r": 24, "t": 90, "b": 48}, hovermode="x unified",
     )  # fmt: skip
     fig.update_layout(legend={"y": 1.1})

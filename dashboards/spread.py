@@ -172,15 +172,16 @@ def memory_by_rank(
     values = [*peak.values, *(q.max for q in phases.values()), device_state, theory_device]
     unit, scale, log = _unit(values)
     top = max(values, default=0.0)
-    how = "" if peak.every_rank else (", the lowest and highest ranks with p10, median, p90 "
-                                      "between")  # fmt: skip
     title = f"Memory over ranks at step {peak.step}"
     if capacity_bytes is None:
         title += " — device capacity not reported by the agents"
     elif top < 0.1 * capacity_bytes:  # a line at 80 GiB would flatten peaks of a few MiB
         title += f" (device capacity {th.fmt_bytes(capacity_bytes)}, off the scale)"
-    fig = th.figure(title, height=440, legend=th.LEGEND_BELOW,
-                    margin={"l": 64, "r": 24, "t": 56, "b": 120})  # fmt: skip
+    ranks = f"{peak.n:,} rank{'' if peak.n == 1 else 's'} sorted by peak"
+    title += f"<br><sup>{ranks}" + ("" if peak.every_rank else (
+        ": the 16 lowest and 16 highest, the p10, median and p90 between")) + "</sup>"  # fmt: skip
+    fig = th.figure(title, height=460, legend={**th.LEGEND_BELOW, "y": -0.3},
+                    margin={"l": 64, "r": 24, "t": 70, "b": 130})  # fmt: skip
     hover = f"%{{y:.4~f}} {unit}"
     left, right = {"xaxis": "x", "yaxis": "y"}, {"xaxis": "x2", "yaxis": "y2"}
     labels = [f"rank {r}" if r is not None else q
@@ -221,14 +222,13 @@ def memory_by_rank(
             hovertemplate=f"median {hover}<extra>%{{x}}</extra>", **right,
         ))  # fmt: skip
     axis_y = {"title": {"text": f"memory ({unit}{', log scale' if log else ''})"},
-              "type": "log" if log else "linear"}  # fmt: skip
+              "type": "log" if log else "linear", **({} if log else {"rangemode": "tozero"})}  # fmt: skip
     fig.update_layout(
         xaxis={**th.AXIS_STYLE, "domain": [0.0, 0.64] if order else [0.0, 1.0],
-               "title": {"text": f"ranks sorted by peak ({peak.n:,}{how})"},
+               "title": {"text": "rank order (lowest peak to highest)"},
                "range": [-0.5, max(peak.n - 0.5, 1.5)]},
         yaxis={**th.AXIS_STYLE, **axis_y},
-        xaxis2={**th.AXIS_STYLE, "domain": [0.72, 1.0], "anchor": "y2",
-                "title": {"text": "phase"}},
+        xaxis2={**th.AXIS_STYLE, "domain": [0.72, 1.0], "anchor": "y2"},
         yaxis2={**th.AXIS_STYLE, **axis_y, "anchor": "x2", "title": {"text": ""}},
     )  # fmt: skip
     return fig

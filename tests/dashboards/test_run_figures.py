@@ -129,8 +129,9 @@ def test_memory_sorts_the_ranks_peaks_against_theory_state_and_capacity():
     assert list(bars.error_y.array) == pytest.approx([0.0, 0.5])
     assert list(bars.error_y.arrayminus) == pytest.approx([0.0, 0.5])
     assert fig.layout.yaxis.title.text == "memory (GiB)"
-    assert fig.layout.xaxis.title.text == "ranks sorted by peak (2)"
-    assert fig.layout.title.text == "Memory over ranks at step 7"
+    assert (
+        fig.layout.title.text == "Memory over ranks at step 7<br><sup>2 ranks sorted by peak</sup>"
+    )
 
 
 def test_memory_of_a_wide_run_draws_its_ends_and_quantiles_not_a_bar_per_rank():
@@ -144,7 +145,10 @@ def test_memory_of_a_wide_run_draws_its_ends_and_quantiles_not_a_bar_per_rank():
     assert len(peak.x) == 35 and peak.x[-1] == 4095
     assert list(peak.text[16:19]) == ["p10 over ranks", "median rank", "p90 over ranks"]
     assert peak.text[-1] == "rank 4000"
-    assert "lowest and highest ranks with p10, median, p90 between" in fig.layout.xaxis.title.text
+    assert (
+        "4,096 ranks sorted by peak: the 16 lowest and 16 highest, the p10, median and p90 "
+        "between" in fig.layout.title.text
+    )
     # Nobody reported the device's capacity: the chart says so and draws no made-up line.
     assert "device capacity not reported" in fig.layout.title.text
     assert not any("capacity" in (t.name or "") for t in fig.data)
