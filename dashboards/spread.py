@@ -229,7 +229,8 @@ def memory_by_rank(
                "range": [-0.5, max(peak.n - 0.5, 1.5)]},
         yaxis={**th.AXIS_STYLE, **axis_y},
         xaxis2={**th.AXIS_STYLE, "domain": [0.72, 1.0], "anchor": "y2"},
-        yaxis2={**th.AXIS_STYLE, **axis_y, "anchor": "x2", "title": {"text": ""}},
+        # Bars stand on zero: their axis stays linear when the peaks' axis turns log.
+        yaxis2={**th.AXIS_STYLE, "anchor": "x2", "rangemode": "tozero"},
     )  # fmt: skip
     return fig
 
