@@ -61,17 +61,17 @@ def add_bands(
                                  ("p10", "p90", "p10–p90 over ranks", 0.3)):  # fmt: skip
         if not st.get(lo) or not st.get(hi):
             continue
-        fig.add_trace(go.Scatter(x=list(st[lo].steps), y=th.scaled(st[lo].values, scale),
+        fig.add_trace(th.scatter(x=list(st[lo].steps), y=th.scaled(st[lo].values, scale),
                                  mode="lines", line={"width": 0}, showlegend=False,
                                  legendgroup=group or label, hoverinfo="skip", **axes))  # fmt: skip
-        fig.add_trace(go.Scatter(x=list(st[hi].steps), y=th.scaled(st[hi].values, scale),
+        fig.add_trace(th.scatter(x=list(st[hi].steps), y=th.scaled(st[hi].values, scale),
                                  mode="lines", line={"width": 0}, fill="tonexty",
                                  fillcolor=th.rgba(color, alpha), name=label,
                                  legendgroup=group or label, showlegend=legend,
                                  hoverinfo="skip", **axes))  # fmt: skip
     if median and st.get("p50"):
         line = {"color": "#2d3436" if color == BAND_COLOR else color, "width": 2}
-        fig.add_trace(go.Scatter(x=list(st["p50"].steps), y=th.scaled(st["p50"].values, scale),
+        fig.add_trace(th.scatter(x=list(st["p50"].steps), y=th.scaled(st["p50"].values, scale),
                                  mode="lines", name=name, legendgroup=group or "median",
                                  showlegend=legend, line=line, hovertemplate=hover,
                                  **axes))  # fmt: skip
@@ -123,7 +123,7 @@ def phase_spread(spread: Mapping[str, Mapping[str, Series]]) -> go.Figure:
     # One legend entry says what the three layers are (every panel draws them alike).
     for label, alpha in (("median rank", None), ("p10–p90 over ranks", 0.3),
                          ("min–max over ranks", 0.13)):  # fmt: skip
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=label,
+        fig.add_trace(th.scatter(x=[None], y=[None], mode="lines", name=label,
                                  line={"color": "#636e72", "width": 2 if alpha is None else 8},
                                  opacity=1.0 if alpha is None else alpha * 2,
                                  hoverinfo="skip"))  # fmt: skip
@@ -186,7 +186,7 @@ def memory_by_rank(
     left, right = {"xaxis": "x", "yaxis": "y"}, {"xaxis": "x2", "yaxis": "y2"}
     labels = [f"rank {r}" if r is not None else q
               for r, q in zip(peak.ranks, _quantile_names(peak), strict=True)]  # fmt: skip
-    fig.add_trace(go.Scatter(x=list(peak.positions), y=th.scaled(peak.values, scale),
+    fig.add_trace(th.scatter(x=list(peak.positions), y=th.scaled(peak.values, scale),
                              text=labels, name="peak per rank (sorted)", mode="lines+markers",
                              line={"color": th.PHASE_COLORS["backward"], "width": 2},
                              marker={"size": 5}, hovertemplate=f"%{{text}}: {hover}<extra></extra>",
@@ -194,7 +194,7 @@ def memory_by_rank(
     ends = [0, max(peak.n - 1, 1)]
 
     def level(value: float, name: str, line: dict[str, object], detail: str = "") -> None:
-        fig.add_trace(go.Scatter(x=ends, y=[value / scale] * 2, name=name, mode="lines",
+        fig.add_trace(th.scatter(x=ends, y=[value / scale] * 2, name=name, mode="lines",
                                  line=line, hovertemplate=f"{hover}{detail}<extra>{name}</extra>",
                                  **left))  # fmt: skip
 
@@ -219,7 +219,7 @@ def memory_by_rank(
                      "arrayminus": [(q.p50 - q.min) / scale for q in qs]},
             marker={"color": [th.PHASE_COLORS.get(p, BAND_COLOR) for p in order]},
             name="peak by phase: median rank (whiskers: lowest, highest rank)",
-            hovertemplate=f"median {hover}<extra>%{{x}}</extra>", **right,
+            hovertemplate=f"median {hover}<extra>%{{x}}</extra>", _validate=th.VALIDATE, **right,
         ))  # fmt: skip
     axis_y = {"title": {"text": f"memory ({unit}{', log scale' if log else ''})"},
               "type": "log" if log else "linear", **({} if log else {"rangemode": "tozero"})}  # fmt: skip

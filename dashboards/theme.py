@@ -189,7 +189,7 @@ def rows_figure(
                             "y": top, "yref": "paper", "yanchor": "bottom", "showarrow": False,
                             "font": {"size": 13}})  # fmt: skip
     return go.Figure(layout={**base_layout(title, height=height), **spec, "annotations": annotations,
-                             **layout})  # fmt: skip
+                             **layout}, _validate=VALIDATE)  # fmt: skip
 
 
 def grid_figure(
@@ -226,7 +226,7 @@ def grid_figure(
                             "xanchor": "center", "y": top, "yref": "paper", "yanchor": "bottom",
                             "showarrow": False, "font": {"size": 13}})  # fmt: skip
     return go.Figure(layout={**base_layout(title, height=height), **spec,
-                             "annotations": annotations, **layout})  # fmt: skip
+                             "annotations": annotations, **layout}, _validate=VALIDATE)  # fmt: skip
 
 
 def rgba(color: str, alpha: float) -> str:
@@ -275,9 +275,22 @@ LEGEND_BELOW: dict[str, object] = {
 }  # fmt: skip
 
 
+#: Whether plotly checks every property of the figures (`figure`, `rows_figure`,
+#: `grid_figure`: what is added to them) and of the traces `scatter` builds. It costs ~5 ms
+#: a trace, most of a wide run's page on the server (its bands are a hundred traces), and
+#: checks only what the builders' own tests already pin: tests turn it on
+#: (tests/dashboards/conftest.py), so a misspelt property still fails there.
+VALIDATE = False
+
+
+def scatter(**props: object) -> go.Scatter:
+    """A scatter trace, checked by plotly only when `VALIDATE` is on."""
+    return go.Scatter(**props, _validate=VALIDATE)
+
+
 def figure(title: str, *, height: int = 360, **layout: object) -> go.Figure:
     """An empty figure with the zerowatch layout."""
-    return go.Figure(layout=base_layout(title, height=height, **layout))
+    return go.Figure(layout=base_layout(title, height=height, **layout), _validate=VALIDATE)
 
 
 def note_figure(title: str, message: str, *, height: int = 200) -> go.Figure:
@@ -321,6 +334,7 @@ __all__ = [
     "SERIES_COLORS",
     "STATUS_COLORS",
     "THEORY_COLOR",
+    "VALIDATE",
     "base_layout",
     "color_for",
     "figure",
@@ -337,6 +351,7 @@ __all__ = [
     "rgba",
     "rows_figure",
     "scaled",
+    "scatter",
     "style_axes",
     "text",
 ]
