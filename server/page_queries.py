@@ -84,7 +84,7 @@ def run_view(
 ) -> RunView | None:
     """The run page's data (see the module docstring), or None for an unknown run."""
     run = runs.get_run(db=db, run_id=run_id, stalled_after_s=stalled_after_s,
-                       recent_steps=recent_steps)  # fmt: skip
+                       recent_steps=recent_steps, ranks=False)  # fmt: skip
     if run is None:
         return None
     view = RunView(run=run, theory={k: float(v) for k, v in (run.get("theory") or {}).items()})
@@ -268,7 +268,7 @@ def run_summary(
     *, db: Database, run_id: str, window: int = 100, stalled_after_s: float = 120.0
 ) -> tuple[dict[str, Any], RunSummary] | None:
     """A run's compare figures (read.compare, as /api/v1/compare gives them)."""
-    run = runs.get_run(db=db, run_id=run_id, stalled_after_s=stalled_after_s)
+    run = runs.get_run(db=db, run_id=run_id, stalled_after_s=stalled_after_s, ranks=False)
     if run is None:
         return None
     got = compare_read.compare(db=db, run_ids=[run_id], window=window)["runs"]

@@ -96,6 +96,10 @@ def test_live_endpoint_sends_figures_only_when_new_steps_arrived(client):
     assert fresh["summary"]["steps"] == "12"
     same = client.get(f"/runs/{run_id}/figures.json?since=11").json()
     assert not same["changed"] and same["figures"] == {}
+    assert (same["last_step"], same["status"]) == (11, "running")
+    assert set(same["summary"]) == {"last-seen"}  # the rest is unchanged: not recomputed
+    older = client.get(f"/runs/{run_id}/figures.json?since=10").json()
+    assert older["changed"] and older["summary"]["steps"] == "12" and older["figures"]
     assert client.get("/runs/nope/figures.json").status_code == 404
 
 
