@@ -54,13 +54,17 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
 
 
-def _load_s(page, url: str, charts: bool) -> float:  # type: ignore[no-untyped-def]
+def _load_s(page, url: str, charts: bool) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """(seconds to the HTML received, seconds to every chart drawn) from navigation start:
+    the first is the server's share, the difference the browser's."""
     page.goto(url)
     if charts:
         page.wait_for_function(DRAWN_JS, timeout=60_000, polling="raf")
     else:
         page.wait_for_load_state("load")
-    return float(page.evaluate("performance.now()")) / 1000
+    drawn = float(page.evaluate("performance.now()")) / 1000
+    html = page.evaluate("performance.getEntriesByType('navigation')[0].responseEnd")
+    return float(html) / 1000, drawn
 
 
 def clone_runs(db_url: str, run_id: str, n: int) -> list[str]:
@@ -148,19 +152,23 @@ def main() -> None:
             ]
             print(f"\n{args.ranks:,} ranks x {held:,} steps ({args.ranks * held:,} rank-steps), "
                   f"{len(copies) + 1} runs, SQLite; load {os.getloadavg()[0]:.1f}\n")  # fmt: skip
-            print("| page | HTML bytes | cold load | drawn, median (cached) | each |")
-            print("|---|---:|---:|---:|---|")
+            print("| page | HTML bytes | cold load | drawn, median (cached) | HTML received "
+                  "(server) | drawing (browser) | each |")  # fmt: skip
+            print("|---|---:|---:|---:|---:|---:|---|")
             with sync_playwright() as pw:
                 browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=FLAGS)
                 try:
                     for name, path, charts in pages:
                         size = len(httpx.get(url + path, timeout=60).content)
                         page = browser.new_page(viewport={"width": 1400, "height": 900})
-                        cold = _load_s(page, url + path, charts)
-                        warm = [_load_s(page, url + path, charts) for _ in range(args.repeats)]
+                        cold = _load_s(page, url + path, charts)[1]
+                        got = [_load_s(page, url + path, charts) for _ in range(args.repeats)]
                         page.close()
+                        warm = [d for _, d in got]
+                        server = statistics.median(h for h, _ in got)
+                        draw = statistics.median(d - h for h, d in got)
                         print(f"| {name} | {size:,} | {cold:.2f} s | "
-                              f"{statistics.median(warm):.2f} s | "
+                              f"{statistics.median(warm):.2f} s | {server:.2f} s | {draw:.2f} s | "
                               f"{', '.join(f'{w:.2f}' for w in warm)} |")  # fmt: skip
                 finally:
                     browser.close()
