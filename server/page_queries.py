@@ -47,6 +47,10 @@ SPREAD = (
     "step_time_s", "busy_s", "exposed_comm_s", *(f"phase.{p}" for p in ev.PHASES),
     *(f"collective.{op}.{f}" for op in ev.COLLECTIVE_OPS for f in ("latency_s", "busbw")),
 )  # fmt: skip
+#: Most rank-steps the run page's heatmap reads (the one chart that reads rank rows: its
+#: cost follows the ranks): the newest 8 steps of a 4,096-rank run, 32 of 1,024 ranks, every
+#: sampled step up to 81 ranks. The bands over ranks cover the whole run from the rollups.
+HEATMAP_RANK_STEPS = 32_768
 #: How far back from the newest step the memory chart looks for a step that measured memory
 #: (agents measure it every 10th step by default).
 MEMORY_WINDOW = 50
@@ -146,7 +150,9 @@ def run_view(
     if theory and not view.theory:
         view.theory = theory
     view.outliers = _outliers(db, pk, int(run["world_size"]), bounds[1])
-    heat = series.rank_heatmap(db=db, run_id=run_id, metric="busy_s", max_steps=len(st) or 1)
+    world = max(int(run["world_size"]), 1)
+    heat = series.rank_heatmap(db=db, run_id=run_id, metric="busy_s",
+                               max_steps=max(1, min(len(st), HEATMAP_RANK_STEPS // world)))  # fmt: skip
     if heat is not None:
         rid = quote(run_id, safe="")
         view.heat = RankGrid(heat["ranks"], heat["steps"], heat["z"], block=int(heat["block"]),
