@@ -1,7 +1,10 @@
 """Sharded parameters (stage 3): each rank keeps 1/N of every large parameter.
 
-A *unit* is the set of large trainable parameters registered directly on one submodule (one
-`Segment` per submodule and param group). Between uses, each `nn.Parameter` of a unit holds
+A *unit* is the set of large trainable parameters of one submodule (one `Segment` per unit
+and param group): those of its whole subtree when they fit `reduce_bucket_size` (a
+transformer block: one all-gather and one reduce-scatter for its four linear layers), else
+those registered on it directly (`stages.stage3_units`). The unit's buffers come from a
+pool reused within a pass (`buffers.BufferPool`). Between uses, each `nn.Parameter` of a unit holds
 an empty tensor and the rank keeps only its part of the unit's flat buffer
 (`segment.param_shard`, on the host with `offload_param`). Around every use:
 
