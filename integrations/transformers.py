@@ -7,8 +7,8 @@
     trainer.train()
 
 When training begins (`on_train_begin`, after the Trainer has prepared its model) the
-callback instruments what the Trainer built, through the Trainer's own `Accelerator`
-(agent/adapters/accelerate.py): a DeepSpeed engine (`TrainingArguments(deepspeed=...)`), an
+callback instruments what the Trainer built (`trainer.model_wrapped` and its optimizer,
+through agent/adapters/accelerate.py's `adapter_for`): a DeepSpeed engine (`TrainingArguments(deepspeed=...)`), an
 FSDP2 model (`fsdp_config={"fsdp_version": 2}`), a DDP model, or the bare model of a
 single-process job. Under `torchrun` every rank's callback does so and the ranks agree on
 one run over the process group, as `zerowatch.instrument` always does.
@@ -54,15 +54,12 @@ def _calling_trainer() -> Trainer | None:
     return None
 
 
-def instrument_target(trainer: Trainer) -> tuple[Any, dict[str, Any]]:
-    """What to give `zerowatch.instrument` for a Trainer whose training has begun:
-    (its Accelerator, {}) once it prepared the model, else (the wrapped model, optimizer)."""
-    accelerator = getattr(trainer, "accelerator", None)
-    if getattr(accelerator, "_models", None):
-        return accelerator, {}
+def instrument_target(trainer: Trainer) -> Any:
+    """The adapter of what a Trainer whose training has begun built: its wrapped model (a
+    DeepSpeed engine, an FSDP2 or DDP module, or the model) with its optimizer."""
     from zerowatch.agent.adapters.accelerate import adapter_for
 
-    return adapter_for(trainer.model_wrapped, trainer.optimizer), {}
+    return adapter_for(trainer.model_wrapped, trainer.optimizer)
 
 
 class ZeroWatchCallback(TrainerCallback):  # type: ignore[misc]
@@ -97,11 +94,11 @@ class ZeroWatchCallback(TrainerCallback):  # type: ignore[misc]
             log.warning("zerowatch: on_train_begin was not called by a Trainer; not instrumenting")
             return
         try:
-            target, extra = instrument_target(trainer)
+            target = instrument_target(trainer)
         except Exception as e:
             log.warning("zerowatch: not instrumenting this training run: %s", e)
             return
-        self.run = self.settings.instrument(target, **extra)
+        self.run = self.settings.instrument(target)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> None:  # fmt: skip

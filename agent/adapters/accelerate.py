@@ -2,8 +2,8 @@
 
 Accelerate builds no engine of its own: `accelerator.prepare(model, optimizer, ...)` hands
 back a DeepSpeed engine, an FSDP2 model, a DDP model or the model itself, and keeps them
-(`accelerator._models`, `accelerator._optimizers`). This module picks the adapter for what
-it built, so that an Accelerate job is recorded exactly like the same engine instrumented
+(`accelerator._models`, `accelerator._optimizers`; for DDP the module it was given, not the wrapper, which is found
+through the garbage collector's referrers). This module picks the adapter for what it built, so that an Accelerate job is recorded exactly like the same engine instrumented
 by hand:
 
     a DeepSpeed engine      -> deepspeed.DeepSpeedAdapter
@@ -46,6 +46,28 @@ def _torch_optimizer(prepared: Any) -> Any:
     return inner
 
 
+def _ddp_around(module: Any) -> Any:
+    """The `DistributedDataParallel` that `prepare` wrapped `module` in, or None.
+
+    Accelerate keeps the model it was given, not the DDP wrapper it returned, and the
+    adapter needs the wrapper (its communication hook). The wrapper holds the module in its
+    `_modules`: found among the objects that refer to the module, two levels up (once, at
+    instrument time).
+    """
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    level = [module]
+    for _ in range(3):
+        up = [r for obj in level for r in gc.get_referrers(obj) if r is not level]
+        for candidate in up:
+            if isinstance(candidate, DistributedDataParallel) and candidate.module is module:
+                return candidate
+        level = [r for r in up if isinstance(r, dict)]
+    return None
+
+
 def adapter_for(model: Any, optimizer: Any) -> EngineAdapter:
     """The adapter for a prepared model and its (prepared) optimizer.
 
@@ -80,7 +102,7 @@ def accelerate_adapter(accelerator: Any, optimizer: Any = None) -> EngineAdapter
             "zerowatch.instrument(accelerator) after accelerator.prepare(model, optimizer, ...)"
         )
     engine = getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "engine", None)
-    model = engine if engine is not None else models[0]
+    model = engine if engine is not None else (_ddp_around(models[0]) or models[0])
     if optimizer is None:
         prepared = list(getattr(accelerator, "_optimizers", None) or [])
         optimizer = prepared[0] if prepared else None

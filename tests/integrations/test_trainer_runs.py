@@ -121,6 +121,20 @@ def test_hf_grad_norm_is_what_the_trainer_logged(
         assert stored[rank] == logged, f"rank {rank}"
 
 
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if ENGINE[v][0] == "ddp"])
+def test_ddp_gradient_all_reduce_is_seen_through_the_communication_hook(
+    job: list[dict[str, Any]], server: LiveServer, variant: str
+) -> None:
+    """Every step all-reduces each fp32 gradient once (DDP's buckets, through the hook the
+    adapter registers); a loss averaged for logging adds a few bytes at most."""
+    results = _variant(job, variant)
+    run_id = _run_id(results)
+    grads = 4 * server_run(server.api, run_id)["param_count"]
+    stored = server_series(server.api, run_id, "collective.all_reduce.bytes", STEPS)
+    for rank in (0, 1):
+        assert all(grads <= b <= grads + 64 for b in stored[rank]), (rank, grads, stored[rank])
+
+
 def test_importing_zerowatch_imports_no_training_library() -> None:
     code = (
         "import sys, zerowatch, zerowatch.integrations, zerowatch.agent\n"
