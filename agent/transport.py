@@ -198,10 +198,15 @@ class Transport:
             self.spool.close()
 
     def _loop(self) -> None:
+        # The first wake-up at a random point of the interval: ranks that started together
+        # do not all post at the same instant, every interval (the server sees an even
+        # stream of POSTs instead of world_size of them at once).
+        wait = random.uniform(0.0, self._flush_interval)
         while True:
             stopping = self._stop.is_set()
             if not stopping:
-                stopping = self._stop.wait(self._flush_interval)  # close() wakes it early
+                stopping = self._stop.wait(wait)  # close() wakes it early
+            wait = self._flush_interval
             self._drain_queue()
             if self._offline and self.spool.pending:
                 self._replay()

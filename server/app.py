@@ -5,7 +5,8 @@ app is created), the `Ingestor` (group commit) and the rollup `Compactor` (read/
 Nothing a read answers lives only in this process: /metrics, run status and pages come from
 the database, so several server processes (`zerowatch serve --workers N`, or servers on one
 PostgreSQL database behind a load balancer) answer alike. Routes: the JSON API (api.py)
-under /api/v1, `/metrics`, `/healthz`, and the HTML pages (pages.py).
+under /api/v1, `/metrics`, `/healthz`, and the HTML pages (pages.py); every response
+carries the security headers of security.py (a Content-Security-Policy among them).
 
 Errors are JSON `{"detail": ...}`: validation problems are 422 with the location of each bad
 field (`loc`) and a one-line `message`; a database that is down, restarting or out of
@@ -37,6 +38,7 @@ from zerowatch.server.deps import require_read
 from zerowatch.server.ingest import Ingestor
 from zerowatch.server.metrics import exposition
 from zerowatch.server.read.rollups import Compactor, Retention
+from zerowatch.server.security import SecurityHeadersMiddleware
 from zerowatch.server.settings import Settings, SettingsError, get_settings
 
 import zerowatch
@@ -98,30 +100,57 @@ class RejectNulMiddleware:
         await self.app(scope, receive, send)
 
 
-def _install_docs(app: FastAPI) -> None:
-    """/docs from the installed Swagger UI bundle (no CDN: the server may have no internet).
+_DOCS_HTML = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>zerowatch API</title>
+<link rel="stylesheet" href="/_swagger/swagger-ui.css">
+<link rel="icon" href="/_swagger/favicon-32x32.png">
+</head>
+<body>
+<div id="swagger-ui"></div>
+<script src="/_swagger/swagger-ui-bundle.js"></script>
+<script src="/static/swagger-init.js"></script>
+</body>
+</html>
+"""
 
-    Without the `swagger-ui-bundle-v2` package, /docs falls back to FastAPI's page, which
-    loads Swagger UI from a CDN; /openapi.json works either way.
+
+def _install_docs(app: FastAPI) -> None:
+    """/docs from the installed Swagger UI bundle (no CDN: the server may have no internet),
+    started by a script file, not an inline one (the Content-Security-Policy of
+    server/security.py runs scripts from the server only). /openapi.json works either way.
     """
+    from fastapi.responses import FileResponse, HTMLResponse
+
     try:
         from swagger_ui_bundle import swagger_ui_path
     except ImportError:
+        swagger_ui_path = None
+    if swagger_ui_path is None:
+
+        @app.get("/docs", include_in_schema=False)
+        async def no_docs() -> Response:
+            return HTMLResponse(
+                "<p>Swagger UI is not installed (pip install swagger-ui-bundle-v2); the API "
+                'is described at <a href="/openapi.json">/openapi.json</a>.</p>'
+            )
+
         return
-    from fastapi.openapi.docs import get_swagger_ui_html
     from fastapi.staticfiles import StaticFiles
 
     app.mount("/_swagger", StaticFiles(directory=swagger_ui_path), name="swagger-ui")
+    init = Path(__file__).parent / "static" / "swagger-init.js"
+
+    @app.get("/static/swagger-init.js", include_in_schema=False)
+    async def docs_init() -> Response:
+        return FileResponse(init, media_type="text/javascript")
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> Response:
-        return get_swagger_ui_html(
-            openapi_url="/openapi.json",
-            title="zerowatch API",
-            swagger_js_url="/_swagger/swagger-ui-bundle.js",
-            swagger_css_url="/_swagger/swagger-ui.css",
-            swagger_favicon_url="/_swagger/favicon-32x32.png",
-        )
+        return HTMLResponse(_DOCS_HTML)
 
 
 def _include_pages(app: FastAPI) -> None:
@@ -152,6 +181,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         db,
         interval_s=settings.rollup_interval_s,
         settle_s=settings.rollup_settle_s,
+        incomplete_s=settings.rollup_incomplete_s,
         retention=Retention(
             full_steps=settings.retention_full_steps, every=settings.retention_every
         ),
@@ -171,14 +201,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await run_in_threadpool(compactor.close)
         db.close()
 
-    try:
-        import swagger_ui_bundle  # noqa: F401
-
-        docs_url: str | None = None  # served from the bundle by _install_docs
-    except ImportError:
-        docs_url = "/docs"
     app = FastAPI(
-        docs_url=docs_url,
+        docs_url=None,  # served by _install_docs
         title="zerowatch",
         version=zerowatch.__version__,
         description="Observability for ZeRO-sharded training: runs, ingest, series, compare, trace.",
@@ -192,6 +216,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     _install_error_handlers(app)
     app.add_middleware(RejectNulMiddleware)
     app.add_middleware(AdmissionMiddleware, admission=admission)
+    app.add_middleware(SecurityHeadersMiddleware)
     app.include_router(api.router)
 
     @app.get("/healthz", tags=["health"])

@@ -49,6 +49,10 @@ class Settings:
     #: waits for the others before its first rollup (reads are exact either way).
     rollup_interval_s: float = 0.5
     rollup_settle_s: float = 0.5
+    #: A step that not every rank has reached is rolled up once nobody wrote to it for
+    #: this long (a rank died or its agent is offline); one that all have, after the
+    #: settle time. Up to then reads compute it from its rows.
+    rollup_incomplete_s: float = 30.0
     #: Retention of per-rank rows: every step of the newest `retention_full_steps` steps,
     #: every `retention_every`-th before them (0 keeps every step). Rollups stay whole.
     retention_full_steps: int = 10_000
@@ -67,7 +71,7 @@ class Settings:
         for name in ("stalled_after_s", "finished_grace_s", "forget_silent_after_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name}: must be > 0, got {getattr(self, name)}")
-        for name in ("rollup_interval_s", "rollup_settle_s"):
+        for name in ("rollup_interval_s", "rollup_settle_s", "rollup_incomplete_s"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name}: must be >= 0, got {getattr(self, name)}")
         for name in ("retention_full_steps", "metrics_top_k"):
