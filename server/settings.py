@@ -59,6 +59,11 @@ class Settings:
     retention_every: int = 10
     #: Outlier ranks per run that /metrics exposes with a `rank` label.
     metrics_top_k: int = 8
+    #: Ingest requests the server holds at once (admitted and not yet answered: reading,
+    #: parsing, waiting for the writer). One more gets 503 with Retry-After before its body
+    #: is read (server/admission.py), so agents replaying their spools all at once cannot
+    #: grow the writer's queue, or memory, without bound.
+    ingest_max_pending: int = 128
 
     def __post_init__(self) -> None:
         if not self.db_url:
@@ -73,7 +78,7 @@ class Settings:
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name}: must be >= 0, got {getattr(self, name)}")
         for name in ("max_batch_bytes", "trace_sample_every", "recent_steps", "max_trace_steps",
-                     "retention_every"):  # fmt: skip
+                     "retention_every", "ingest_max_pending"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.token == "":

@@ -154,6 +154,13 @@ def create_run(db: Database, *, run: ev.RunCreate, now: float | None = None) -> 
         "last_event_at": None,
         "ended_at": None,
     }
+    # Every rank of a job creates its run (and again after an outage): an existing run is
+    # answered from a read, without waiting for the write lock behind ingest.
+    with db.read() as conn:
+        existing = conn.execute(select(m.runs.c.id).where(m.runs.c.run_id == run.run_id))
+        pk = existing.scalar()
+    if pk is not None:
+        return int(pk), False
     with db.write() as conn:
         stmt = (
             _insert(conn, m.runs)
