@@ -38,7 +38,7 @@ test: install-dev system-deps
 lint: install-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy zerowatch agent server dashboards alerts
+	$(BIN)/mypy zerowatch agent server dashboards alerts integrations
 
 bench: install-dev
 	$(BIN)/python bench/engine.py

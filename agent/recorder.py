@@ -62,18 +62,25 @@ _MAX_WAITING = 256
 @dataclass
 class UserScalars:
     """What `run.log()` gave for one step: `tokens` and `samples` are summed over the
-    micro-batches, `loss` is averaged, any other key keeps its last value."""
+    micro-batches, `loss` is averaged, `lr` and `grad_norm` are the step's learning rate
+    and gradient norm (in place of the optimizer's view), any other key keeps its last
+    value."""
 
     loss_sum: float = 0.0
     loss_n: int = 0
     loss_nonfinite: bool = False
     tokens: int = 0
     samples: int = 0
+    lr: float | None = None
+    grad_norm: float | None = None
     other: dict[str, float] = field(default_factory=dict)
 
     def add(self, scalars: dict[str, float]) -> None:
         for key, value in scalars.items():
-            if key == "loss":
+            if key in ("lr", "grad_norm"):
+                if math.isfinite(value):
+                    setattr(self, key, value)
+            elif key == "loss":
                 if math.isfinite(value):
                     self.loss_sum += value
                     self.loss_n += 1
@@ -351,6 +358,7 @@ class StepRecorder:
         tokens_per_s = tokens / step_time if tokens and step_time > 0 else None
         stats = d.stats
         nonfinite = stats.nonfinite or user.loss_nonfinite
+        grad_norm = user.grad_norm if user.grad_norm is not None else stats.grad_norm
         start_unix = clock.host_time(d.start) + self._unix_offset
         collectives = d.collectives.stats()
         exposed = d.collectives.exposed_s
@@ -370,13 +378,13 @@ class StepRecorder:
             hidden_comm_s=hidden,
             offload=d.offload,
             memory=d.memory,
-            grad_norm=None if nonfinite else stats.grad_norm,
+            grad_norm=None if nonfinite else grad_norm,
             clipped=stats.clipped,
             loss=loss,
             loss_scale=stats.loss_scale,
             skipped=stats.skipped,
             nonfinite=nonfinite,
-            lr=stats.lr,
+            lr=user.lr if user.lr is not None else stats.lr,
             samples=samples,
             tokens=tokens,
             samples_per_s=samples_per_s,

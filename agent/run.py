@@ -85,7 +85,9 @@ class Run:
         Called after `engine.step()`, the values belong to the step that just ended; called
         during a step (e.g. per micro-batch), to that step. `tokens` and `samples` add up
         over a step's calls (tokens/s, samples/s and MFU come from them), `loss` is
-        averaged, other keys keep their last value. A one-element tensor is accepted
+        averaged, `lr` and `grad_norm` become the step's learning rate and gradient norm
+        (what the training framework reports wins over what the agent read from the
+        optimizer), other keys keep their last value. A one-element tensor is accepted
         (reading it waits for the device, as `.item()` does).
 
         Raises:
@@ -173,6 +175,7 @@ class Run:
             "accepted": t.accepted,
             "duplicates": t.duplicates,
             "spooled": t.spooled,
+            "told_to_wait": t.told_to_wait,
             "spool_bytes": self._transport.spool.bytes_on_disk,
             "queue_peak": t.queue_peak,
             "dropped_events": self._health.dropped,

@@ -170,6 +170,47 @@ def test_huggingface_auto_values_resolve_from_hidden_size_and_batch_sizes() -> N
 
 
 @pytest.mark.parametrize(
+    ("key", "deepspeed_default"),
+    [
+        ("reduce_bucket_size", 500_000_000),
+        ("stage3_prefetch_bucket_size", 50_000_000),
+        ("stage3_param_persistence_threshold", 100_000),
+    ],
+)
+def test_auto_without_hidden_size_takes_deepspeeds_default_and_warns(
+    key: str, deepspeed_default: int
+) -> None:
+    given = {"zero_optimization": {"stage": 3, key: "auto"}}
+    with pytest.warns(ConfigWarning) as caught:
+        cfg = load_config(given)
+    assert getattr(cfg.zero_optimization, key) == deepspeed_default
+    messages = [str(w.message) for w in caught]
+    assert messages == [
+        f'zero_optimization.{key}: "auto" cannot be resolved here (the model\'s hidden size '
+        f"is not known); took DeepSpeed's default {deepspeed_default}"
+    ]
+    # With a hidden size, "auto" is resolved from it and nothing is said.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resolved = load_config(given, hidden_size=64)
+    assert getattr(resolved.zero_optimization, key) != deepspeed_default
+
+
+def test_initialize_takes_an_hf_auto_config_on_a_module_without_a_hidden_size() -> None:
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+    }
+    with pytest.warns(ConfigWarning, match=r"^zero_optimization.reduce_bucket_size: .*500000000"):
+        engine, *_ = zerowatch.initialize(model=model, config=config)
+    assert engine.config.zero_optimization.reduce_bucket_size == 500_000_000
+    engine.destroy()
+
+
+@pytest.mark.parametrize(
     ("given", "world_size", "expected"),
     [
         ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 2, (32, 4, 4)),
@@ -270,12 +311,6 @@ MISTAKES: list[tuple[str, dict[str, Any], str]] = [
     ("batch not divisible", {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4},
      "gradient_accumulation_steps: train_batch_size 10 / (train_micro_batch_size_per_gpu 4 * world size 2) is not a whole number"),
     ("zero micro batch", {"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu: expected >= 1"),
-    ("auto bucket without hidden size", {"zero_optimization": {"reduce_bucket_size": "auto"}},
-     'zero_optimization.reduce_bucket_size: "auto" cannot be resolved here (pass load_config(..., hidden_size=...)'),
-    ("auto prefetch without hidden size", {"zero_optimization": {"stage3_prefetch_bucket_size": "auto"}},
-     'zero_optimization.stage3_prefetch_bucket_size: "auto" cannot be resolved'),
-    ("auto threshold without hidden size", {"zero_optimization": {"stage3_param_persistence_threshold": "auto"}},
-     'zero_optimization.stage3_param_persistence_threshold: "auto" cannot be resolved'),
     ("auto allgather bucket", {"zero_optimization": {"allgather_bucket_size": "auto"}},
      'zero_optimization.allgather_bucket_size: "auto" cannot be resolved'),
     ("auto lr", {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, 'optimizer.params.lr: "auto" cannot be resolved'),

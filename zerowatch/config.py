@@ -14,8 +14,9 @@ configs often do.
 batch sizes from each other (train_batch_size = micro * accumulation * world size), bucket
 sizes and the persistence threshold from the model's hidden size as HF does
 (reduce_bucket_size = h², stage3_prefetch_bucket_size = 0.9·h², stage3_param_persistence_
-threshold = 10·h), a scheduler's warmup_max_lr from the optimizer's lr. Anywhere else it is
-an error naming the key.
+threshold = 10·h; with no hidden size known, DeepSpeed's default for the key and a
+ConfigWarning naming the key and the value taken), a scheduler's warmup_max_lr from the
+optimizer's lr. Anywhere else it is an error naming the key.
 
 Standard library only.
 """
@@ -242,7 +243,9 @@ def _read_zero(z: _Section, hidden_size: int | None) -> ZeroConfig:
     if offload_param.enabled and stage != 3:
         raise ConfigError(f"{z.key('offload_param')}: needs stage 3, not {stage}")
     h = hidden_size
-    why = "pass load_config(..., hidden_size=...) or write a number"
+    # Without the hidden size, "auto" takes DeepSpeed's own default for the key (with a
+    # warning naming it): a config written for the HF integration still loads.
+    unknown_h = "the model's hidden size is not known"
     return ZeroConfig(
         stage=stage,
         offload_optimizer=offload_opt,
@@ -251,13 +254,15 @@ def _read_zero(z: _Section, hidden_size: int | None) -> ZeroConfig:
         contiguous_gradients=z.boolean("contiguous_gradients", True),
         reduce_scatter=z.boolean("reduce_scatter", True),
         reduce_bucket_size=z.integer("reduce_bucket_size", 500_000_000, min=1,
-                                 auto=h * h if h else None, why=why),
+                                 auto=h * h if h else None, auto_default=unknown_h),
         allgather_partitions=z.boolean("allgather_partitions", True),
         allgather_bucket_size=z.integer("allgather_bucket_size", 500_000_000, min=1),
         stage3_prefetch_bucket_size=z.integer("stage3_prefetch_bucket_size", 50_000_000, min=0,
-                                          auto=int(0.9 * h * h) if h else None, why=why),
+                                          auto=int(0.9 * h * h) if h else None,
+                                          auto_default=unknown_h),
         stage3_param_persistence_threshold=z.integer("stage3_param_persistence_threshold", 100_000,
-                                                 min=0, auto=10 * h if h else None, why=why),
+                                                 min=0, auto=10 * h if h else None,
+                                                 auto_default=unknown_h),
         stage3_max_live_parameters=z.integer("stage3_max_live_parameters", 1_000_000_000, min=0),
         stage3_max_reuse_distance=z.integer("stage3_max_reuse_distance", 1_000_000_000, min=0),
         sub_group_size=z.integer("sub_group_size", 1_000_000_000, min=1),
@@ -478,9 +483,15 @@ class _Section:
         return value
 
     def integer(self, name: str, default: Any, *, min: int | None = None, max: int | None = None,
-            auto: int | None = None, why: str = "") -> Any:  # fmt: skip
+            auto: int | None = None, why: str = "", auto_default: str = "") -> Any:  # fmt: skip
+        """`auto_default`: when "auto" has no value (`auto` None), why not; the key then
+        takes `default` (DeepSpeed's) with a warning naming the key and the value taken."""
         value = self.get(name, default)
         if value == AUTO:
+            if auto is None and auto_default:
+                _warn(f'{self.key(name)}: "auto" cannot be resolved here ({auto_default}); '
+                      f"took DeepSpeed's default {default}")  # fmt: skip
+                return default
             return self._auto(name, auto, why)
         if value is None:
             return None

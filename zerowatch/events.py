@@ -330,7 +330,7 @@ class RunCreate:
     project: str = "default"
     tags: list[str] = field(default_factory=list)
     world_size: int = 1
-    #: Which engine: "zerowatch" (bundled), "deepspeed", "fsdp2".
+    #: Which engine: "zerowatch" (bundled), "deepspeed", "fsdp2", "ddp", "fsdp1".
     engine: str = "zerowatch"
     engine_info: dict[str, Any] = field(default_factory=dict)
     zero_stage: int = 0

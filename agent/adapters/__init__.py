@@ -2,10 +2,11 @@
 
 One file per engine, each exposing `matches(obj) -> bool` and an adapter class satisfying
 `EngineAdapter` (base.py): `zerowatch_engine.py` (the bundled engine, which reports its own
-phases and collectives), `deepspeed.py` and `fsdp2.py` (tried first, before the bundled
-engine's duck-typed match; they hook the engine's public surface, share `foreign.py`, and
-see collectives through `dist_wrap.py`). The DeepSpeed and FSDP2 adapters import torch and
-load on first use; none of them loads the bundled engine (only its observer interface,
+phases and collectives), `deepspeed.py`, `fsdp2.py` and `ddp.py` (tried first, before the
+bundled engine's duck-typed match; they hook the engine's public surface, share
+`foreign.py`, and see collectives through `dist_wrap.py`), and `accelerate.py`, which hands
+an Accelerate `Accelerator` to the adapter of what its `prepare` built. These import torch
+and load on first use; none of them loads the bundled engine (only its observer interface,
 zerowatch.engine.hooks).
 """
 
@@ -33,11 +34,17 @@ def _lazy(module: str, name: str) -> Callable[..., Any]:
 ADAPTERS: list[tuple[str, Callable[[Any], bool], Callable[..., EngineAdapter]]] = [
     ("deepspeed", _lazy("deepspeed", "matches"), _lazy("deepspeed", "DeepSpeedAdapter")),
     ("fsdp2", _lazy("fsdp2", "matches"), _lazy("fsdp2", "FSDP2Adapter")),
+    ("ddp", _lazy("ddp", "matches"), _lazy("ddp", "DDPAdapter")),
+    ("accelerate", _lazy("accelerate", "matches"), _lazy("accelerate", "accelerate_adapter")),
     ("zerowatch", zerowatch_engine.matches, zerowatch_engine.ZeroWatchEngineAdapter),
 ]
 
 #: Keyword options of `instrument()` that go to an adapter, by adapter name.
-ADAPTER_OPTIONS: dict[str, tuple[str, ...]] = {"fsdp2": ("optimizer",)}
+ADAPTER_OPTIONS: dict[str, tuple[str, ...]] = {
+    "fsdp2": ("optimizer",),
+    "ddp": ("optimizer",),
+    "accelerate": ("optimizer",),
+}
 
 
 def select_adapter(obj: Any, **options: Any) -> EngineAdapter:
@@ -45,7 +52,8 @@ def select_adapter(obj: Any, **options: Any) -> EngineAdapter:
 
     Args:
         obj: the engine (or FSDP2 root module) given to `instrument()`.
-        **options: adapter options from `instrument()` (`optimizer=` for FSDP2).
+        **options: adapter options from `instrument()` (`optimizer=` for FSDP2 and DDP,
+            and to pick another than the first one an Accelerator prepared).
 
     Raises:
         TypeError: naming the type when no adapter understands `obj`, or naming an
@@ -64,8 +72,9 @@ def select_adapter(obj: Any, **options: Any) -> EngineAdapter:
     raise TypeError(
         f"engine: zerowatch.instrument() does not know how to instrument a "
         f"{type(obj).__module__}.{type(obj).__qualname__}; supported: {known} "
-        f"(the engine returned by zerowatch.initialize or deepspeed.initialize, or a "
-        f"model wrapped by torch.distributed.fsdp.fully_shard)"
+        f"(the engine returned by zerowatch.initialize or deepspeed.initialize, a model "
+        f"wrapped by torch.distributed.fsdp.fully_shard or DistributedDataParallel, or an "
+        f"accelerate.Accelerator after prepare)"
     )
 
 

@@ -39,6 +39,7 @@ the fp32 parameters are the master): measured master_weights exceed the theory b
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -317,7 +318,10 @@ class DeepSpeedAdapter(ForeignAdapter):
 
 
 def _jsonable(value: Any) -> Any:
-    """The config as plain JSON values (DeepSpeed accepts a few non-JSON ones)."""
+    """The config as plain JSON values (DeepSpeed accepts a few non-JSON ones: the Hugging
+    Face integration writes `steps_per_print: inf`)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -1,7 +1,7 @@
 """See a foreign engine's collectives by wrapping torch.distributed for the life of a run.
 
-The bundled engine reports its collectives itself (engine/comm.py). DeepSpeed and FSDP2
-do not, and zerowatch does not edit them; instead, while a run is attached, the collective
+The bundled engine reports its collectives itself (engine/comm.py). DeepSpeed, FSDP2 and
+DDP (through `allreduce_seen`, the communication hook the DDP adapter gives it) do not, and zerowatch does not edit them; instead, while a run is attached, the collective
 functions of `torch.distributed` are replaced by thin wrappers that time each call, size
 it the nccl-tests way and hand a `CollectiveRecord` to whoever listens. Closing the run
 puts the original functions back. This is the one module besides engine/comm.py that
@@ -215,6 +215,19 @@ class TimedWork(dist.Work):
         except Exception:
             self._hub._error(self._op)
         return bool(result) if result is not None else True
+
+    def completed(self) -> None:
+        """Report the call as finished now, without waiting on it: for a callback on the
+        work's future (DDP's communication hook), where the work is done and waiting on it
+        from gloo's thread can block. None of its time was exposed."""
+        if self._waited:
+            return
+        self._waited = True
+        try:
+            self._hub.emit(self._op, self._purpose, self._nbytes, self._world, self._start,
+                           time.perf_counter(), True, 0.0, self._cuda)  # fmt: skip
+        except Exception:
+            self._hub._error(self._op)
 
     # Everything else is the inner work's.
     def is_completed(self) -> bool:
@@ -438,6 +451,29 @@ def installed() -> bool:
     return bool(_HUB.installed)
 
 
+def allreduce_seen(process_group, bucket):  # type: ignore[no-untyped-def]
+    """DDP's built-in gradient all-reduce as a DDP communication hook: average the bucket
+    over the group through `torch.distributed.all_reduce`, which this module's wrappers
+    time while a run is open (the DDP adapter registers it). The call is reported when its
+    future completes (`TimedWork.completed`): DDP waits on the future, never on the work.
+
+    Unannotated on purpose: DDP checks a hook's annotations against the real classes, and
+    this module's annotations are strings.
+    """
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size(group))
+    work = dist.all_reduce(buffer, group=group, async_op=True)
+
+    def done(_fut):  # type: ignore[no-untyped-def]
+        completed = getattr(work, "completed", None)  # a TimedWork while a run is open
+        if completed is not None:
+            completed()
+        return buffer
+
+    return work.get_future().then(done)
+
+
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     """`obj` from rank `src` on every rank (one rank: `obj`); never recorded."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
@@ -463,6 +499,7 @@ __all__ = [
     "CollectiveTap",
     "TimedWork",
     "all_gather_object",
+    "allreduce_seen",
     "broadcast_object",
     "installed",
     "unobserved",

@@ -86,6 +86,19 @@ def test_log_during_a_step_and_after_it_land_on_that_step(fake_engine, spool_roo
     assert steps[1]["tokens"] == 0 and steps[1]["loss"] is None and steps[1]["tokens_per_s"] is None
 
 
+def test_logged_lr_and_grad_norm_become_the_steps_own(fake_engine, spool_root):
+    """What a training framework logs (the Trainer callbacks) wins over the optimizer's view;
+    a step without them keeps the engine's."""
+    fake_engine.last_step.lr, fake_engine.last_step.grad_norm = 1e-3, 1.5
+    with zerowatch.instrument(fake_engine, spool_dir=spool_root) as run:
+        fake_engine.train_step()
+        run.log(lr=2.5e-4, grad_norm=0.75)
+        fake_engine.train_step()
+    s0, s1 = (e for e in spooled(run) if e["kind"] == "step")
+    assert (s0["lr"], s0["grad_norm"], s0["scalars"]) == (2.5e-4, 0.75, {})
+    assert (s1["lr"], s1["grad_norm"]) == (1e-3, 1.5)
+
+
 def test_nonfinite_loss_and_grad_norm_are_flagged_not_sent(fake_engine, spool_root):
     with zerowatch.instrument(fake_engine, spool_dir=spool_root) as run:
         fake_engine.train_step()

@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCANNED = ("zerowatch", "agent", "server", "dashboards", "alerts")
+SCANNED = ("zerowatch", "agent", "server", "dashboards", "alerts", "integrations")
 ALLOWED = {"zerowatch/engine/comm.py", "agent/adapters/dist_wrap.py"}
 COLLECTIVES = {
     "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "broadcast_object_list",

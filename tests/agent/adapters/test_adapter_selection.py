@@ -63,22 +63,23 @@ def test_optimizer_given_to_another_engine_is_refused_by_name() -> None:
 
 
 def test_unknown_object_lists_the_supported_engines() -> None:
-    with pytest.raises(TypeError, match="supported: deepspeed, fsdp2, zerowatch"):
+    with pytest.raises(TypeError, match="supported: deepspeed, fsdp2, ddp, accelerate, zerowatch"):
         select_adapter(torch.nn.Linear(2, 2))
 
 
-def test_selecting_an_adapter_never_imports_deepspeed() -> None:
+def test_selecting_an_adapter_never_imports_the_training_libraries() -> None:
     code = (
         "import sys; from zerowatch.agent.adapters import select_adapter\n"
         "try:\n    select_adapter(object())\nexcept TypeError:\n    pass\n"
-        "assert 'deepspeed' not in sys.modules, 'deepspeed imported'\n"
+        "for lib in ('deepspeed', 'accelerate', 'transformers', 'lightning'):\n"
+        "    assert lib not in sys.modules, lib + ' imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-@pytest.mark.parametrize("adapter", ["deepspeed", "fsdp2"])
+@pytest.mark.parametrize("adapter", ["deepspeed", "fsdp2", "ddp"])
 def test_foreign_adapters_never_load_the_bundled_engine(adapter: str) -> None:
-    """Instrumenting a DeepSpeed or FSDP2 job needs the observer interface (engine/hooks.py),
+    """Instrumenting a DeepSpeed, FSDP2 or DDP job needs the observer interface (engine/hooks.py),
     not the bundled engine: importing zerowatch.engine runs none of it."""
     code = (
         f"import sys, zerowatch.agent.adapters.{adapter}\n"
