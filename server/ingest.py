@@ -1,7 +1,7 @@
 """Group commit: concurrent ingest requests share one transaction.
 
-A 1,000-rank job sends hundreds of small batches a second (an agent flushes every two
-seconds, so a batch is often one or two steps of one rank). One transaction per batch would
+A 1,000-rank job sends hundreds of small batches a second (an agent of a job that size
+flushes every four seconds, so a batch is a few steps of one rank). One transaction per batch would
 spend most of the server's time beginning and committing, and one thread hop per request
 most of the rest. Instead, requests hand their batch to the `Ingestor` and wait: the
 request handlers on the event loop await a future (`submit_async`), other callers block
@@ -15,8 +15,7 @@ one-event batches cost about what one fifty-event batch does. A group is worth w
 every commit writes the pages it touched, whatever it holds (on SQLite one POST of 16 events
 in a transaction of its own cost three times what it does in a group of 16 POSTs), so the
 writer lingers up to `linger_s` (20 ms) for more batches once one is waiting, unless
-`linger_events` already are. Each batch stays atomic on its
-own: it is validated before anything of it is written, so a bad batch is refused alone; if
+`linger_events` already are. Each batch stays atomic on its own: it is validated before anything of it is written, so a bad batch is refused alone; if
 the group's transaction fails for another reason, it is rolled back and every batch of the
 group is retried in a transaction of its own, so one batch's failure never loses another's
 events.

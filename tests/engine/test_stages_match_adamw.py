@@ -13,6 +13,8 @@ pytestmark = pytest.mark.slow
 
 STEPS = 20
 WORLD = 2
+#: A reduce bucket that holds one block of the tiny GPT (3,136 elements), not two.
+BLOCK = 3200
 
 
 def _scenarios() -> dict[str, dict[str, Any]]:
@@ -27,6 +29,11 @@ def _scenarios() -> dict[str, dict[str, Any]]:
                 overlap = (i + ga) % 2 == 1
                 name = f"stage{stage}-ga{ga}-{'+'.join(off) or 'no_offload'}-overlap{int(overlap)}"
                 out[name] = ds_config(stage, ga=ga, overlap=overlap, **dict.fromkeys(off, True))
+    # Buckets that hold a whole block: stage 3 gathers and reduces each block as one unit.
+    out["stage3-ga1-no_offload-overlap1-block_units"] = ds_config(3, overlap=True, bucket=BLOCK)
+    out["stage3-ga4-offload_param-overlap0-block_units"] = ds_config(
+        3, ga=4, offload_param=True, bucket=BLOCK
+    )
     return out
 
 

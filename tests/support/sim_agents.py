@@ -33,6 +33,7 @@ import httpx
 from sqlalchemy import create_engine, text
 from zerowatch.agent import codec
 from zerowatch.agent.client import IngestClient, ServerUnavailable
+from zerowatch.agent.config import AgentConfig
 from zerowatch.agent.errors import AgentHealth
 from zerowatch.agent.spool import Spool
 from zerowatch.agent.transport import Transport, TransportStats
@@ -44,7 +45,7 @@ from zerowatch import simulate
 AGENT_DEFAULTS: dict[str, Any] = {
     "queue_size": 4096,
     "batch_max_events": 64,
-    "flush_interval_s": 2.0,
+    "flush_interval_s": None,  # the agent's: AgentConfig.flush_interval(world size)
     "retry_attempts": 3,
     "retry_max_wait_s": 2.0,
     "http_timeout_s": 5.0,
@@ -164,7 +165,9 @@ class SimAgents:
                     health=health,
                     queue_size=cfg["queue_size"],
                     batch_max_events=cfg["batch_max_events"],
-                    flush_interval_s=cfg["flush_interval_s"],
+                    flush_interval_s=AgentConfig(
+                        flush_interval_s=cfg["flush_interval_s"]
+                    ).flush_interval(spec.world_size),
                     retry_max_wait_s=cfg["retry_max_wait_s"],
                     http_timeout_s=cfg["http_timeout_s"],
                     rank=rank,
