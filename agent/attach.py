@@ -183,7 +183,7 @@ def instrument(
         health=health,
         queue_size=config.queue_size,
         batch_max_events=config.batch_max_events,
-        flush_interval_s=config.flush_interval_s,
+        flush_interval_s=config.flush_interval(job.world_size),
         retry_max_wait_s=config.retry_max_wait_s,
         http_timeout_s=config.http_timeout_s,
         rank=job.rank,

@@ -7,17 +7,27 @@ Failures are sorted into three kinds, because the shipper treats them differentl
 
 * `ServerUnavailable`: connection refused, timeout, 5xx, 429 — worth retrying later; the
   events wait in the spool meanwhile. `RunNotFound` (404 for a run's events: a server
-  restarted on an empty database) is one of them: create the run again, then retry.
+  restarted on an empty database) is one of them: create the run again, then retry. A
+  server that sheds load (503/429) or whose database is down (503) or full (507) says when
+  to come back in `Retry-After`: the error carries it (`retry_after_s`).
 * `PayloadTooLarge` (413): split the batch and send the halves.
 * `ServerRejected`: any other 4xx (bad token, schema mismatch) — retrying the same bytes
   cannot help; the message names the status and the server's detail.
 
 One POST is tried `attempts` times with exponential backoff and full jitter between
-(tenacity), so a blip costs a fraction of a second, not a spool round trip.
+(tenacity), so a blip costs a fraction of a second, not a spool round trip. A Retry-After
+is honoured: the next try waits at least that long, plus up to half of it again (jitter,
+so that the agents a busy server turned away together do not return together). When the
+server asks for a longer wait than `max_retry_after_s` (default `max_wait_s`), the client
+does not sit in it: it raises
+at once, and the caller (the shipper) keeps the events in its spool and comes back after
+the wait.
 """
 
 from __future__ import annotations
 
+import email.utils
+import random
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +43,12 @@ class IngestError(Exception):
 
 
 class ServerUnavailable(IngestError):
-    """The server cannot take the request now; try again later."""
+    """The server cannot take the request now; try again later (`retry_after_s`: when the
+    server said, from its Retry-After header)."""
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class RunNotFound(ServerUnavailable):
@@ -69,6 +84,29 @@ def _detail(resp: httpx.Response) -> str:
     return resp.text[:500]
 
 
+def retry_after_s(value: str | None) -> float | None:
+    """Seconds of a Retry-After header (delay-seconds or an HTTP date); None when absent or
+    unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(float(value), 0.0)
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(when.timestamp() - time.time(), 0.0)
+
+
+def honoured_wait_s(retry_after: float) -> float:
+    """How long to wait when told `Retry-After: retry_after`: at least that, plus up to half
+    of it again, so that clients turned away together spread out."""
+    return retry_after * random.uniform(1.0, 1.5)
+
+
 def _check(resp: httpx.Response, *, missing_run_is_transient: bool) -> None:
     code = resp.status_code
     if code < 400:
@@ -76,7 +114,10 @@ def _check(resp: httpx.Response, *, missing_run_is_transient: bool) -> None:
     if code == 404 and missing_run_is_transient:
         raise RunNotFound(f"{code} from {resp.request.url}: {_detail(resp)}")
     if code >= 500 or code == 429:
-        raise ServerUnavailable(f"{code} from {resp.request.url}: {_detail(resp)}")
+        raise ServerUnavailable(
+            f"{code} from {resp.request.url}: {_detail(resp)}",
+            retry_after_s=retry_after_s(resp.headers.get("retry-after")),
+        )
     if code == 413:
         raise PayloadTooLarge(_detail(resp))
     raise ServerRejected(code, _detail(resp))
@@ -92,6 +133,34 @@ class _StopAtDeadline(tenacity.stop.stop_base):
         return self._client._past_deadline()
 
 
+class _StopWhenToldToWaitLong(tenacity.stop.stop_base):
+    """Stop when the server asked for a wait longer than the client's `max_wait_s`: the
+    caller keeps the request (the shipper: in its spool) and comes back after it."""
+
+    def __init__(self, max_wait_s: float) -> None:
+        self._max_wait_s = max_wait_s
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        exc = retry_state.outcome.exception() if retry_state.outcome else None
+        wait = getattr(exc, "retry_after_s", None)
+        return wait is not None and wait > self._max_wait_s
+
+
+class _WaitHonouringRetryAfter(tenacity.wait.wait_base):
+    """Exponential backoff with full jitter, or the server's Retry-After (jittered) when it
+    gave one."""
+
+    def __init__(self, max_wait_s: float) -> None:
+        self._backoff = tenacity.wait_random_exponential(multiplier=0.1, max=max_wait_s)
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> float:
+        exc = retry_state.outcome.exception() if retry_state.outcome else None
+        wait = getattr(exc, "retry_after_s", None)
+        if wait is not None:
+            return honoured_wait_s(wait)
+        return float(self._backoff(retry_state))
+
+
 class IngestClient:
     """Blocking client of one server; used from the shipper thread and by `upload`."""
 
@@ -103,6 +172,7 @@ class IngestClient:
         timeout_s: float = 5.0,
         attempts: int = 3,
         max_wait_s: float = 2.0,
+        max_retry_after_s: float | None = None,
     ) -> None:
         if not server.startswith(("http://", "https://")):
             raise ValueError(f"server: expected an http:// or https:// URL, got {server!r}")
@@ -115,8 +185,12 @@ class IngestClient:
         self.deadline: float | None = None
         self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout_s)
         self._retrying = tenacity.Retrying(
-            stop=tenacity.stop_after_attempt(max(attempts, 1)) | _StopAtDeadline(self),
-            wait=tenacity.wait_random_exponential(multiplier=0.1, max=max_wait_s),
+            stop=tenacity.stop_after_attempt(max(attempts, 1))
+            | _StopAtDeadline(self)
+            | _StopWhenToldToWaitLong(
+                max_wait_s if max_retry_after_s is None else max_retry_after_s
+            ),
+            wait=_WaitHonouringRetryAfter(max_wait_s),
             retry=tenacity.retry_if_exception_type(ServerUnavailable)
             & tenacity.retry_if_not_exception_type(RunNotFound),
             reraise=True,
@@ -175,4 +249,6 @@ __all__ = [
     "RunNotFound",
     "ServerRejected",
     "ServerUnavailable",
+    "honoured_wait_s",
+    "retry_after_s",
 ]

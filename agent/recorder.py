@@ -46,6 +46,7 @@ from zerowatch.agent.probes import (
     PhaseTimer,
     PhaseWindow,
 )
+from zerowatch.agent.probes.collectives import _FOLD_EVERY
 
 from zerowatch import events as ev
 
@@ -156,38 +157,85 @@ class StepRecorder:
         # perf_counter -> unix seconds, for span and event timestamps.
         self._unix_offset = time.time() - time.perf_counter()
         self.steps_emitted = 0
+        self._make_callbacks()
 
     # -- engine callbacks (training thread; collectives maybe another) -----------------
 
-    def on_phase_start(self, phase: str, t: float) -> None:
+    #: The engine's callbacks: closures made once (`_make_callbacks`), so that the many
+    #: nested boundaries (param_gather, grad_reduce, offload copies) and the collectives
+    #: cost two appends each, with no attribute lookup and no allocation.
+    on_phase_start: Callable[[str, float], None]
+    on_phase_end: Callable[[str, float], None]
+    on_collective: Callable[[Any], None]
+
+    def _make_callbacks(self) -> None:
+        timer, health = self._timer, self._health
+        push, mark, codes = timer.push, self._clock.mark, timer.codes
+        nested_start = {n: c for n, c in codes.start.items() if n not in _STEP_OR_TOP}
+        nested_end = {n: c for n, c in codes.end.items() if n not in _STEP_OR_TOP}
+        start_code, end_code = nested_start.get, nested_end.get
+        other_start, other_end = self._other_phase_start, self._other_phase_end
+        on_host = mark is float  # HostClock: the mark is the time itself
+
+        def on_phase_start(phase: str, t: float) -> None:
+            try:
+                code = start_code(phase)
+                if code is None:
+                    other_start(phase, t)
+                    return
+                push(code)
+                push(t if on_host else mark(t))
+            except Exception as e:
+                health.error(f"recording the start of phase {phase!r}", e)
+
+        def on_phase_end(phase: str, t: float) -> None:
+            try:
+                code = end_code(phase)
+                if code is None:
+                    other_end(phase, t)
+                    return
+                push(code)
+                push(t if on_host else mark(t))
+            except Exception as e:
+                health.error(f"recording the end of phase {phase!r}", e)
+
+        pending = self._collectives.pending
+        fold_if_full = self._collectives.fold_if_full
+
+        def on_collective(record: Any) -> None:
+            try:
+                pending.append(record)
+                if len(pending) >= _FOLD_EVERY:
+                    fold_if_full()
+            except Exception as e:
+                health.error("recording a collective", e)
+
+        self.on_phase_start = on_phase_start
+        self.on_phase_end = on_phase_end
+        self.on_collective = on_collective
+
+    def _other_phase_start(self, phase: str, t: float) -> None:
+        """`step`, the top-level phases (their memory is read) and names not seen before."""
         try:
-            if phase not in _STEP_OR_TOP:  # the many nested ones: param_gather, grad_reduce
-                self._timer.start(phase, t)
-            elif phase == "step":
+            if phase == "step":
                 self._begin_step(t)
-            else:
-                self._timer.start(phase, t)
+                return
+            self._timer.start(phase, t)
+            if phase in _STEP_OR_TOP:
                 self._memory.phase_start(phase)
         except Exception as e:
             self._health.error(f"recording the start of phase {phase!r}", e)
 
-    def on_phase_end(self, phase: str, t: float) -> None:
+    def _other_phase_end(self, phase: str, t: float) -> None:
         try:
-            if phase not in _STEP_OR_TOP:
-                self._timer.end(phase, t)
-            elif phase == "step":
+            if phase == "step":
                 self._end_step(t)
-            else:
-                self._timer.end(phase, t)
+                return
+            self._timer.end(phase, t)
+            if phase in _STEP_OR_TOP:
                 self._memory.phase_end(phase)
         except Exception as e:
             self._health.error(f"recording the end of phase {phase!r}", e)
-
-    def on_collective(self, record: Any) -> None:
-        try:
-            self._collectives.record(record)
-        except Exception as e:
-            self._health.error("recording a collective", e)
 
     def on_offload(self, direction: str, nbytes: int, start: float, end: float) -> None:
         try:

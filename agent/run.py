@@ -175,6 +175,7 @@ class Run:
             "accepted": t.accepted,
             "duplicates": t.duplicates,
             "spooled": t.spooled,
+            "told_to_wait": t.told_to_wait,
             "spool_bytes": self._transport.spool.bytes_on_disk,
             "queue_peak": t.queue_peak,
             "dropped_events": self._health.dropped,

@@ -110,7 +110,7 @@ class Spool:
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             target = self.run_dir / RUN_FILE
-            tmp = self.run_dir / f".{RUN_FILE}.{os.getpid()}.tmp"
+            tmp = self.run_dir / f".{RUN_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"
             tmp.write_bytes(run_create_json)
             os.replace(tmp, target)
         except OSError as e:

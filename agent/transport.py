@@ -17,6 +17,11 @@ stored it) is stored once.
 
 A server that refuses the token (401/403) or the RunCreate gets nothing more from this
 process: events go to the spool, for `zerowatch upload` with the right token.
+
+A server that turns a request away with `Retry-After` (shedding a recovery storm with 503,
+a database that is down or full with 503/507) is left alone at least that long: the
+shipper spools, and probes again after the wait plus up to half of it (jitter), never
+earlier. Segments an earlier process of this run left in the spool are replayed first.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from zerowatch.agent.client import (
     RunNotFound,
     ServerRejected,
     ServerUnavailable,
+    honoured_wait_s,
 )
 from zerowatch.agent.errors import AgentHealth, log
 from zerowatch.agent.spool import Spool
@@ -55,6 +61,9 @@ class TransportStats:
     accepted: int = 0
     duplicates: int = 0
     spooled: int = 0
+    #: Answers that said when to come back (Retry-After), and the seconds waited for them.
+    told_to_wait: int = 0
+    waited_s: float = 0.0
     queue_peak: int = 0
     online: bool = False
 
@@ -94,7 +103,8 @@ class Transport:
         self._deadline: float | None = None
         self._disabled: str | None = None if client is not None else "no server"
         self._run_created = False
-        self._offline = client is None
+        # Events an earlier process of this run left in the spool go first.
+        self._offline = client is None or spool.pending
         self._next_probe = 0.0
         self._backoff = 0.0
         self.stats = TransportStats()
@@ -122,6 +132,11 @@ class Transport:
         stats.submitted += 1
         if len(q) > stats.queue_peak:
             stats.queue_peak = len(q)
+
+    @property
+    def queued(self) -> int:
+        """Events handed over and not yet shipped or spooled."""
+        return len(self._q)
 
     def close(self, end_event: ev.EndEvent | None, timeout_s: float) -> None:
         """Send `end_event` last, flush, and stop the shipper within about `timeout_s`."""
@@ -183,10 +198,15 @@ class Transport:
             self.spool.close()
 
     def _loop(self) -> None:
+        # The first wake-up at a random point of the interval: ranks that started together
+        # do not all post at the same instant, every interval (the server sees an even
+        # stream of POSTs instead of world_size of them at once).
+        wait = random.uniform(0.0, self._flush_interval)
         while True:
             stopping = self._stop.is_set()
             if not stopping:
-                stopping = self._stop.wait(self._flush_interval)  # close() wakes it early
+                stopping = self._stop.wait(wait)  # close() wakes it early
+            wait = self._flush_interval
             self._drain_queue()
             if self._offline and self.spool.pending:
                 self._replay()
@@ -290,11 +310,11 @@ class Transport:
             self.spool.run_dir,
         )
 
-    def _go_offline(self, why: Exception) -> None:
+    def _go_offline(self, why: ServerUnavailable) -> None:
         if not self._offline:
             self._health.warn_once(
                 "offline",
-                "zerowatch agent: server unreachable (%s); spooling events to %s and retrying "
+                "zerowatch agent: server unavailable (%s); spooling events to %s and retrying "
                 "in the background",
                 why,
                 self.spool.run_dir,
@@ -302,7 +322,12 @@ class Transport:
         self._offline = True
         self._backoff = min(max(self._backoff * 2, 0.1), self._max_wait)
         # Full jitter: ranks that lost the server together do not come back in lockstep.
-        self._next_probe = time.monotonic() + random.uniform(0.5, 1.0) * self._backoff
+        wait = random.uniform(0.5, 1.0) * self._backoff
+        if why.retry_after_s is not None:  # the server said when: never earlier
+            wait = max(wait, honoured_wait_s(why.retry_after_s))
+            self.stats.told_to_wait += 1
+            self.stats.waited_s += wait
+        self._next_probe = time.monotonic() + wait
 
     def _replay(self, *, max_batches: int = _REPLAY_BATCHES_PER_TURN) -> None:
         """Send the spool oldest first; stop at the first failure (and probe again later)."""

@@ -96,7 +96,10 @@ def upload_spool(
             f"no {RUN_FILE} found in {root} or its subfolders: not a zerowatch spool"
         )
         return result
-    client = IngestClient(server, token, timeout_s=timeout_s, attempts=5, max_wait_s=5.0)
+    # A busy server's Retry-After (up to a minute) is waited out, not given up on.
+    client = IngestClient(
+        server, token, timeout_s=timeout_s, attempts=5, max_wait_s=5.0, max_retry_after_s=60.0
+    )
     try:
         for run_dir in runs:
             try:

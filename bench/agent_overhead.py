@@ -5,6 +5,7 @@ without `zerowatch.instrument`, interleaved in one run, per ZeRO stage.
     python bench/agent_overhead.py --no-server      # the agent spools to disk instead
     python bench/agent_overhead.py --fault 500      # a server answering 500 to everything
     python bench/agent_overhead.py --fault hang     # a server that never answers
+    python bench/agent_overhead.py --deep-layers 0  # without the 48-layer stage-3 row
 
 For each stage every rank builds one engine (a small GPT) and one instrumented run shipping
 to a real `zerowatch serve` on 127.0.0.1. Then, `--repeats` times, it trains `--steps`
@@ -14,7 +15,17 @@ by the process's CPU time over all threads (the agent's shipper thread included)
 the training thread's own CPU time ("loop"). It prints, per stage, the median step time
 with and without the agent and the three ratios (the goal: at most 1.01 at stage 3), and
 what the agent holds in memory: the events in its bounded queue (peak and bound) and the
-mean size of an event. On a machine shared with other work the wall clock carries the noise
+mean size of an event. A last row trains stage 3 on a model of the same width with
+`--deep-layers` blocks (48): the agent's callbacks grow with the number of modules, so this
+row shows whether its share of the step stays put when they do.
+
+The agent's own CPU is also measured directly: every engine callback is counted and the
+training thread's CPU time inside it summed ("hooks"), less what the timing itself costs a
+callback. That cost is measured the same way inside training, around an observer that does
+nothing, in blocks of steps of its own (a third variant beside plain and agent): between
+the engine's kernels, which evict the CPU's caches, reading the clock costs several times
+what it does in a tight loop. "us/cb" is the callbacks' CPU over their number (the work at
+the step boundaries, assembling the step's event, included). On a machine shared with other work the wall clock carries the noise
 of being descheduled; the CPU times do not.
 
 Attaching and detaching one run keeps start-up (the run-id broadcast, the shipper thread,
@@ -178,7 +189,7 @@ class Accounted:
 
 
 class _Empty:
-    """An observer that does nothing."""
+    """An observer that does nothing (its callbacks, timed, calibrate the timing)."""
 
     def on_phase_start(self, *_: Any) -> None:
         pass
@@ -186,27 +197,18 @@ class _Empty:
     on_phase_end = on_collective = on_offload = on_phase_start
 
 
-def timer_cost(n: int = 20000) -> float:
-    """CPU seconds that `Accounted` itself adds to one callback's figure (its wrapper and
-    half of each clock read), measured around an empty callback; subtracted from the
-    agent's. Taken in a warm loop, it is a lower bound of the cost inside training."""
-    empty = Accounted(_Empty())
-    for _ in range(n):
-        empty.on_phase_start("forward", 0.0)
-    return empty.cpu_s / n
-
-
-def measure_stage(rank: int, stage: int, args: argparse.Namespace, server: str | None,
-                  spool: str) -> dict[str, Any]:  # fmt: skip
-    """One stage on this rank: interleaved blocks with and without the agent."""
+def measure_stage(rank: int, stage: int, layers: int, args: argparse.Namespace,
+                  server: str | None, spool: str) -> dict[str, Any]:  # fmt: skip
+    """One stage on this rank: interleaved blocks with and without the agent, and with a
+    do-nothing observer (the timing's own cost per callback)."""
     import zerowatch
     from zerowatch.examples.gpt import GPT, GPTConfig, random_batch
 
     cfg = GPTConfig(vocab_size=512, seq_len=args.seq, d_model=args.d_model,
-                    n_layers=args.layers, n_heads=4)  # fmt: skip
+                    n_layers=layers, n_heads=4)  # fmt: skip
     torch.manual_seed(0)
     engine, *_ = zerowatch.initialize(model=GPT(cfg), config=ds_config(stage, args.micro_batch))
-    run = zerowatch.instrument(engine, server=server, run=f"overhead-stage{stage}",
+    run = zerowatch.instrument(engine, server=server, run=f"overhead-stage{stage}-{layers}l",
                                project="bench", spool_dir=spool)  # fmt: skip
     recorder = run._recorder
     first_event: list[Any] = []
@@ -220,11 +222,13 @@ def measure_stage(rank: int, stage: int, args: argparse.Namespace, server: str |
     recorder._emit = keep
     engine.remove_observer(recorder)
     accounted = Accounted(recorder)
-    per_call_timer = timer_cost()
+    empty = Accounted(_Empty())
+    log_cpu = 0.0
     x, y = random_batch(cfg, args.micro_batch, seed=rank)
 
     def steps(n: int, with_agent: bool) -> list[tuple[float, float, float]]:
         """(wall, process CPU over all threads, training-thread CPU) seconds per step."""
+        nonlocal log_cpu
         times = []
         for _ in range(n):
             t0, c0, l0 = time.perf_counter(), time.process_time(), time.thread_time()
@@ -235,7 +239,7 @@ def measure_stage(rank: int, stage: int, args: argparse.Namespace, server: str |
                 value = loss.item()
                 t_log = time.thread_time()
                 run.log(loss=value, tokens=x.numel())
-                accounted.cpu_s += time.thread_time() - t_log
+                log_cpu += time.thread_time() - t_log
             else:
                 loss.item()
             times.append((time.perf_counter() - t0, time.process_time() - c0,
@@ -258,11 +262,15 @@ def measure_stage(rank: int, stage: int, args: argparse.Namespace, server: str |
     plain: list[tuple[float, float, float]] = []
     agent: list[tuple[float, float, float]] = []
     for r in range(args.repeats):
-        for with_agent in (False, True) if r % 2 == 0 else (True, False):
-            if with_agent:
+        for variant in ("plain", "agent", "empty") if r % 2 == 0 else ("empty", "agent", "plain"):
+            if variant == "agent":
                 engine.add_observer(accounted)
                 agent += steps(args.steps, True)
                 engine.remove_observer(accounted)
+            elif variant == "empty":
+                engine.add_observer(empty)
+                steps(args.steps, False)
+                engine.remove_observer(empty)
             else:
                 plain += steps(args.steps, False)
     engine.add_observer(recorder)
@@ -277,13 +285,16 @@ def measure_stage(rank: int, stage: int, args: argparse.Namespace, server: str |
         copies = [copy.deepcopy(e) for _ in range(10) for e in first_event]
         event_bytes = (tracemalloc.get_traced_memory()[0] - before) // len(copies)
         tracemalloc.stop()
+    per_call_timer = empty.cpu_s / max(empty.calls, 1)
+    hooks_cpu = (accounted.cpu_s - accounted.calls * per_call_timer) / max(len(agent), 1)
     return {
         **{f"plain_{k}": statistics.median(t[i] for t in plain) for i, k in enumerate(KINDS)},
         **{f"agent_{k}": statistics.median(t[i] for t in agent) for i, k in enumerate(KINDS)},
         "stats": run.stats,
         # The agent's own CPU per instrumented step: its engine callbacks and run.log (on
         # whatever thread ran them), and its shipper thread (encode, gzip, POST).
-        "hooks_cpu": (accounted.cpu_s - accounted.calls * per_call_timer) / max(len(agent), 1),
+        "hooks_cpu": hooks_cpu + log_cpu / max(len(agent), 1),
+        "callback_us": 1e6 * hooks_cpu / max(accounted.calls / max(len(agent), 1), 1),
         "timer_us": per_call_timer * 1e6,
         "callbacks": accounted.calls / max(len(agent), 1),
         "shipper_cpu": shipper_cpu / max(len(agent), 1),
@@ -297,10 +308,18 @@ def measure_rank(rank: int, args: argparse.Namespace, port: int, server: str | N
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=timedelta(seconds=300))  # fmt: skip
-    results = {stage: measure_stage(rank, stage, args, server, spool) for stage in args.stages}
+    results = {v: measure_stage(rank, v[0], v[1], args, server, spool) for v in variants(args)}
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def variants(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(stage, layers) per row: every stage at --layers, then stage 3 at --deep-layers."""
+    rows = [(stage, args.layers) for stage in args.stages]
+    if args.deep_layers and args.deep_layers != args.layers:
+        rows.append((3, args.deep_layers))
+    return rows
 
 
 def main() -> None:
@@ -310,6 +329,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="steps per block")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--deep-layers", type=int, default=48,
+                   help="also stage 3 with this many layers of the same width (0: not)")  # fmt: skip
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--no-server", action="store_true", help="spool to disk, no server")
@@ -325,11 +346,12 @@ def main() -> None:
           f"seq={args.seq} micro-batch={args.micro_batch}, {args.repeats} repeats x "
           f"{args.steps} steps per variant, {where(args)}, "
           f"{wall:.0f} s")  # fmt: skip
-    print(f"{'stage':>5}  {'plain ms':>9}  {'agent ms':>9}  {'wall':>6}  {'CPU ms':>7}  "
-          f"{'CPU':>6}  {'loop':>6}  {'hooks ms':>8}  {'shipper ms':>10}  {'agent %':>7}  {'event KiB':>9}  {'queue peak':>10}  "
+    print(f"{'stage':>5}  {'layers':>6}  {'plain ms':>9}  {'agent ms':>9}  {'wall':>6}  {'CPU ms':>7}  "
+          f"{'CPU':>6}  {'loop':>6}  {'hooks ms':>8}  {'callbacks':>9}  {'us/cb':>5}  {'shipper ms':>10}  {'agent %':>7}  {'event KiB':>9}  {'queue peak':>10}  "
           f"{'queue bound MiB':>15}  {'sent':>5}  {'spooled':>7}  {'dropped':>7}")  # fmt: skip
-    for stage in args.stages:
-        per_rank = [r[stage] for r in ranks]
+    for v in variants(args):
+        stage, layers = v
+        per_rank = [r[v] for r in ranks]
 
         def med(key: str, rows: list[dict[str, Any]] = per_rank) -> float:
             return statistics.median(r[key] for r in rows)
@@ -341,20 +363,22 @@ def main() -> None:
         sent = sum(r["stats"]["sent"] for r in per_rank)
         spooled = sum(r["stats"]["spooled"] for r in per_rank)
         dropped = sum(r["stats"]["dropped_events"] for r in per_rank)
-        print(f"{stage:>5}  {med('plain_wall') * 1e3:>9.2f}  {med('agent_wall') * 1e3:>9.2f}  "
+        print(f"{stage:>5}  {layers:>6}  {med('plain_wall') * 1e3:>9.2f}  {med('agent_wall') * 1e3:>9.2f}  "
               f"{ratio['wall']:>6.3f}  {med('plain_cpu') * 1e3:>7.2f}  {ratio['cpu']:>6.3f}  "
               f"{ratio['loop']:>6.3f}  {med('hooks_cpu') * 1e3:>8.3f}  "
+              f"{med('callbacks'):>9.0f}  {med('callback_us'):>5.2f}  "
               f"{med('shipper_cpu') * 1e3:>10.3f}  "
               f"{100 * (med('hooks_cpu') + med('shipper_cpu')) / med('plain_cpu'):>7.2f}  "
               f"{event / 1024:>9.1f}  {peak:>10}  {bound:>15.1f}  "
               f"{sent:>5}  {spooled:>7}  {dropped:>7}")  # fmt: skip
-    for stage in args.stages:
-        per_rank = [r[stage] for r in ranks]
+    for v in variants(args):
+        per_rank = [r[v] for r in ranks]
         calls = statistics.median(r["callbacks"] for r in per_rank)
         timer = statistics.median(r["timer_us"] for r in per_rank)
         print(
-            f"stage {stage}: {calls:.0f} engine callbacks per step; hooks ms excludes the "
-            f"timer's own {timer:.2f} us per callback ({calls * timer / 1e3:.3f} ms per step)"
+            f"stage {v[0]}, {v[1]} layers: {calls:.0f} engine callbacks per step; hooks ms "
+            f"excludes the timing's own {timer:.2f} us per callback, measured around a "
+            f"do-nothing observer in training ({calls * timer / 1e3:.3f} ms per step)"
         )
     if args.foreign:  # DeepSpeed and FSDP2, measured the same way by the companion script
         from agent_overhead_foreign import run as run_foreign

@@ -3,6 +3,7 @@ and DeepSpeed ZeRO 0-3, on 2 gloo ranks of this machine's CPU.
 
     .venv/bin/python bench/engine.py                    # the table in BENCHMARKS.md
     .venv/bin/python bench/engine.py --no-deepspeed     # without the deepspeed extra
+    .venv/bin/python bench/engine.py --floor            # + stage 3's floor (DDP + one all-gather)
 
 Every contender trains the same small GPT (zerowatch.examples.gpt; d_model 256 by default)
 with AdamW, gradient clipping 1.0, fp32, on the same batches. All contenders live in the same
@@ -15,6 +16,13 @@ optimizer step, when every framework holds its gradients (parameters, gradients,
 optimizer state, master weights and the frameworks' own persistent buffers: every tensor
 storage reachable from the model, the optimizer and the engine, counted once), all also as
 ratios to DDP.
+
+With `--floor` one more contender takes its turns: an all-gather of all Ψ parameters (fp32,
+each rank contributing its half, through the engine's own comm module: on gloo its ring over
+send/recv). ZeRO-3 moves 3Ψ per step where DDP moves 2Ψ (an all-reduce is a
+reduce-scatter and an all-gather), so DDP's step plus one more all-gather of Ψ is what
+stage 3 would take if it added nothing but that traffic and hid none of it: the row
+"floor" prints that sum next to the stages.
 
 DeepSpeed runs with DS_ACCELERATOR=cpu on gloo; its CPU-offload Adam is a C++ op built with
 gcc on first use (cached in TORCH_EXTENSIONS_DIR). It is optional (`pip install
@@ -223,6 +231,28 @@ def deepspeed_engine(cfg: GPTConfig, stage: int, offload: bool, micro_batch: int
                    [engine, engine.module, opt])  # fmt: skip
 
 
+#: The contender that times one all-gather of Ψ (`--floor`); not a trainer, not in the table.
+GATHER = "one all-gather of Ψ"
+
+
+def all_gather_of_psi(cfg: GPTConfig) -> Trainer:
+    """One all-gather of every parameter (fp32) through zerowatch's comm module, as stage 3
+    issues them: each rank gives its half of the flat parameters."""
+    from zerowatch.engine.comm import Comm
+    from zerowatch.engine.hooks import ObserverRegistry
+
+    comm = Comm(ObserverRegistry())
+    psi = sum(p.numel() for p in _model(cfg).parameters())
+    full = torch.zeros(psi + psi % comm.world_size)
+    shard = full.narrow(0, comm.rank * (full.numel() // comm.world_size),
+                        full.numel() // comm.world_size).clone()  # fmt: skip
+
+    def gather() -> None:
+        comm.all_gather(full, shard, purpose="other")
+
+    return Trainer(lambda x, y: None, gather, [])
+
+
 def contenders(args: argparse.Namespace) -> dict[str, Callable[[], Trainer]]:
     cfg = gpt_config(args)
     mb = args.micro_batch
@@ -231,6 +261,8 @@ def contenders(args: argparse.Namespace) -> dict[str, Callable[[], Trainer]]:
         "torch ZeroRedundancyOptimizer": lambda: ddp(cfg, zero_optimizer=True),
         "torch FSDP2 (fully_shard)": lambda: fsdp2(cfg),
     }
+    if args.floor:
+        out[GATHER] = lambda: all_gather_of_psi(cfg)
     variants = [(0, False), (1, False), (2, False), (3, False), (1, True), (2, True), (3, True)]
     for stage, off in variants:
         suffix = f"stage {stage}" + (" + CPU offload" if off else "")
@@ -257,7 +289,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_fi
     trainers: dict[str, Trainer] = {}
     errors: dict[str, str] = {}
     for name, build in contenders(args).items():
-        if args.only and not any(o.lower() in name.lower() for o in args.only):
+        if args.only and name != GATHER and not any(o.lower() in name.lower() for o in args.only):
             continue
         try:
             trainers[name] = build()
@@ -316,12 +348,37 @@ def table(result: dict[str, Any]) -> str:
     lines = ["| contender | step ms (median) | × DDP | CPU ms per step | × DDP "
              "| model state per rank (MiB) | × DDP |",
              "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    gather = med.pop(GATHER, None)
+    if gather is not None and base_t:
+        # DDP's step plus one more all-gather of Ψ: stage 3's traffic with nothing hidden.
+        gather_cpu = cpu[GATHER]
+        floor, floor_cpu = base_t + gather, (base_c or 0.0) + gather_cpu
+        lines.append(f"| floor: DDP + one all-gather of Ψ ({gather:.1f} ms, CPU {gather_cpu:.1f} ms) "
+                     f"| {floor:.1f} | {ratio(floor, base_t)} | {floor_cpu:.1f} | "
+                     f"{ratio(floor_cpu, base_c)} | | |")  # fmt: skip
     for n in med:
         lines.append(f"| {n} | {med[n]:.1f} | {ratio(med[n], base_t)} | {cpu[n]:.1f} | "
                      f"{ratio(cpu[n], base_c)} | {mem[n] / 2**20:.1f} | {ratio(mem[n], base_m)} |")  # fmt: skip
     for name, err in result["errors"].items():
         lines.append(f"| {name} | did not run: {err} | | | | | |")
+    lines += ["", *goals(med, cpu, floor if gather is not None and base_t else None)]
     return "\n".join(lines)
+
+
+def goals(med: dict[str, float], cpu: dict[str, float], floor: float | None) -> list[str]:
+    """The ratios the engine is held to, from this run (wall clock; CPU in brackets)."""
+    pairs = [("zerowatch stage 3", "torch DDP", 1.25),
+             ("zerowatch stage 3", "DeepSpeed stage 3", 0.85),
+             ("zerowatch stage 3 + CPU offload", "DeepSpeed stage 3 + CPU offload", 0.9),
+             *((f"zerowatch stage {s}", "torch DDP", 1.05) for s in (0, 1, 2))]  # fmt: skip
+    out = []
+    for a, b, goal in pairs:
+        if a in med and b in med:
+            out.append(f"{a} / {b}: {med[a] / med[b]:.2f} (CPU {cpu[a] / cpu[b]:.2f}); "
+                       f"goal <= {goal}")  # fmt: skip
+    if floor and "zerowatch stage 3" in med:
+        out.append(f"zerowatch stage 3 / floor: {med['zerowatch stage 3'] / floor:.2f}")
+    return out
 
 
 def main() -> None:
@@ -336,6 +393,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--only", nargs="*", help="run only contenders whose name contains these")
     p.add_argument("--no-deepspeed", action="store_true")
+    p.add_argument("--floor", action="store_true",
+                   help="also time one all-gather of Ψ and print DDP + it (stage 3's floor)")  # fmt: skip
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--json", default="", help="also write the raw results here")
     args = p.parse_args()

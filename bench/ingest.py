@@ -15,9 +15,11 @@ zerowatch.server.app:create_app`, the same app `zerowatch serve` runs) on 127.0.
    the last answer), the latency of each POST (p50/p99), and the server process's CPU time
    per stored rank-step (user + system, from psutil): on a machine shared with other work
    the wall-clock rate is a lower bound, and 1e6 / (CPU µs per rank-step) is the rate one
-   fully busy core sustains. Batch shapes: `--events-per-request` (2: the agent's default,
-   flushing every 2 s, at one step a second; 1: steps of 2 s or more; 16, 64: faster
-   steps, or agents catching up after an outage).
+   fully busy core sustains. Batch shapes: `--events-per-request` (2: the agent's default
+   up to 512 ranks, flushing every 2 s, at one step a second; 1: steps of 2 s or more;
+   16: the default at 4,096 ranks, whose agents flush every 16 s; 64: faster steps, or
+   agents catching up after an outage). Each POST holds consecutive steps of one rank,
+   encoded by the agent's codec.
 2. **Queries.** A run of `--points` stored rank-steps (`--query-ranks` ranks) is written
    straight through the store (not timed), then the API is asked, `--repeats` times each:
    a downsampled series of one rank (step_time_s, a phase, a collective's bus bandwidth,
@@ -34,8 +36,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gzip
-import json
 import multiprocessing as mp
 import os
 import random
@@ -55,6 +55,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+
+from zerowatch.agent import codec  # noqa: E402
 
 from zerowatch import events as ev  # noqa: E402
 from zerowatch import simulate  # noqa: E402
@@ -135,23 +137,21 @@ def pct(values: list[float], q: float) -> float:
 def _bodies(
     spec: simulate.SimSpec, run_id: str, ranks: list[int], steps: int, per_request: int
 ) -> list[bytes]:
-    """gzip batches of `per_request` events: each rank's steps in order, ranks interleaved."""
+    """The POST bodies of `ranks`, as their agents send them: each rank's steps in order,
+    `per_request` of one rank a batch, encoded and gzipped by the agent's codec; the ranks'
+    first batches first, then their second ones, and so on."""
     t0 = time.time() - steps * spec.step_time_s
-    events = [
-        simulate.step_event(spec, r, s, t=t0 + (s + 1) * spec.step_time_s)
-        for s in range(steps)
-        for r in ranks
-    ]
-    out = []
-    for i in range(0, len(events), per_request):
-        chunk = events[i : i + per_request]
-        body = {
-            "schema_version": ev.SCHEMA_VERSION,
-            "run_id": run_id,
-            "events": [dataclasses.asdict(e) for e in chunk],
-        }
-        out.append(gzip.compress(json.dumps(body).encode(), compresslevel=1))
-    return out
+    per_rank = []
+    for r in ranks:
+        lines = [
+            codec.encode(simulate.step_event(spec, r, s, t=t0 + (s + 1) * spec.step_time_s))
+            for s in range(steps)
+        ]
+        per_rank.append(
+            [codec.batch_body(run_id, lines[i : i + per_request])
+             for i in range(0, steps, per_request)]
+        )  # fmt: skip
+    return [body for turn in zip(*per_rank, strict=True) for body in turn]
 
 
 def _client(
@@ -210,8 +210,18 @@ def _client(
 
 
 def bench_ingest(
-    url: str, *, ranks: int, steps: int, per_request: int, clients: int, threads: int
+    url: str,
+    *,
+    ranks: int,
+    steps: int,
+    per_request: int,
+    clients: int,
+    threads: int,
+    settle: Any = None,
 ) -> dict[str, Any]:
+    """Post the run's events and measure; `settle(run_id)`, when given, runs after the last
+    answer and before the clock and the server's CPU are read (e.g. waiting until its
+    compactor has rolled every step up, so that its work counts too)."""
     spec = simulate.SimSpec(
         name=f"bench-ingest-{per_request}",
         world_size=ranks,
@@ -247,6 +257,8 @@ def bench_ingest(
     t0 = time.perf_counter()
     start.set()
     outs = [results.get(timeout=1800) for _ in procs]
+    if settle is not None:
+        settle(rc.run_id)
     wall = time.perf_counter() - t0
     cpu = server_cpu_s(url) - cpu0
     for p in procs:

@@ -5,11 +5,14 @@
 
 For each backend (SQLite; PostgreSQL started like the tests do) it prints:
 
-1. **Ingest** through the real HTTP path with the agent's batching (every rank's agent
-   posts its own gzip batches of `--events-per-request` events, 2 by default: one step a
-   second, flushed every 2 s): rank-steps stored per second and the server's CPU time per
-   rank-step (all its processes, from psutil), with 1 worker, and with 2 workers on
-   PostgreSQL (`zerowatch serve --workers 2`; SQLite serves one process).
+1. **Ingest** through the real HTTP path with the agent's batching: every rank posts its own
+   gzip batches (the agent's codec), each holding the steps one flush interval gathers
+   (`AgentConfig().flush_interval(ranks)`, the agent's default, at one step every
+   `--step-time-s`; at most `batch_max_events`): 16 steps a POST at 4,096 ranks and one
+   step a second. Measured: rank-steps stored per second and the server's CPU time per
+   rank-step (all its processes, from psutil), from the first POST until its compactor has
+   rolled every step up (so the rollups' cost counts), with 1 worker, and with 2 workers
+   (`zerowatch serve --workers 2`; on PostgreSQL: SQLite serves one process).
 2. **/metrics** of that run once its rollups are compacted: series and bytes.
 3. **Reads at scale**: a run of `--ranks` x `--fill-steps` rank-steps written straight
    through the store while the server runs, and rolled up by its compactor (timed: fill
@@ -121,14 +124,26 @@ def db_bytes(db_url: str) -> int:
         return int(c.execute(text("SELECT pg_database_size(current_database())")).scalar() or 0)
 
 
-def ingest_row(url: str, args: argparse.Namespace, workers: int) -> dict[str, Any]:
+def agent_batch(ranks: int, step_time_s: float) -> tuple[float, int]:
+    """(flush interval, events a POST) of the agent's default batching for `ranks` ranks
+    stepping every `step_time_s`."""
+    from zerowatch.agent.config import AgentConfig
+
+    cfg = AgentConfig()
+    interval = cfg.flush_interval(ranks)
+    return interval, max(1, min(cfg.batch_max_events, int(interval / step_time_s)))
+
+
+def ingest_row(url: str, db_url: str, args: argparse.Namespace, workers: int) -> dict[str, Any]:
     pid = ib.SERVER_PIDS[url]
     orig = ib.server_cpu_s
     ib.server_cpu_s = lambda _u: _cpu_all(pid)  # every worker process counts
+    _, per_request = agent_batch(args.ranks, args.step_time_s)
+    steps = args.ingest_steps or 2 * per_request
     try:
-        out = ib.bench_ingest(url, ranks=args.ranks, steps=args.ingest_steps,
-                              per_request=args.events_per_request, clients=args.clients,
-                              threads=args.threads)  # fmt: skip
+        out = ib.bench_ingest(url, ranks=args.ranks, steps=steps, per_request=per_request,
+                              clients=args.clients, threads=args.threads,
+                              settle=lambda run_id: wait_compacted(db_url, run_id))  # fmt: skip
     finally:
         ib.server_cpu_s = orig
     return {"workers": workers, **out}
@@ -218,21 +233,25 @@ def run_backend(name: str, args: argparse.Namespace) -> None:
         if db_url is None:
             print(f"\n## {name}: skipped (no PostgreSQL binaries)")
             return
-        print(f"\n## {name} ({args.ranks} ranks, load {os.getloadavg()[0]:.1f})")
+        interval, per_request = agent_batch(args.ranks, args.step_time_s)
+        print(f"\n## {name} ({args.ranks} ranks, load {os.getloadavg()[0]:.1f}; the agent's "
+              f"batching: a flush every {interval:g} s, {per_request} steps a POST at a step "
+              f"every {args.step_time_s:g} s)")  # fmt: skip
         worker_counts = [1, 2] if name == "postgres" else [1]
         ingest_rows = []
         for workers in worker_counts:
             with server(db_url, workers=workers) as url:
-                row = ingest_row(url, args, workers)
+                row = ingest_row(url, db_url, args, workers)
                 ingest_rows.append(row)
-        print(
-            "\n| workers | rank-steps | rank-steps/s | server CPU µs / rank-step | POST p50 | POST p99 |"
-        )
-        print("|---:|---:|---:|---:|---:|---:|")
+        print("\n| workers | events/POST | rank-steps | rank-steps/s | server CPU µs / rank-step "
+              "| POST p50 | POST p99 |")  # fmt: skip
+        print("|---:|---:|---:|---:|---:|---:|---:|")
         for r in ingest_rows:
-            print(f"| {r['workers']} | {r['rank_steps']:,} | {r['rank_steps_per_s']:,.0f} | "
-                  f"{r['server_cpu_us_per_rank_step']:.0f} | {r['p50_ms']:.1f} ms | "
-                  f"{r['p99_ms']:.1f} ms |")  # fmt: skip
+            print(f"| {r['workers']} | {r['events_per_request']} | {r['rank_steps']:,} | "
+                  f"{r['rank_steps_per_s']:,.0f} | {r['server_cpu_us_per_rank_step']:.0f} | "
+                  f"{r['p50_ms']:.1f} ms | {r['p99_ms']:.1f} ms |")  # fmt: skip
+        if args.skip_reads:
+            return
         with server(db_url, workers=1) as url:
             t = time.perf_counter()
             fill = min(args.fill_steps, args.query_steps)
@@ -272,8 +291,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backends", default="sqlite,postgres")
     ap.add_argument("--ranks", type=int, default=4096)
-    ap.add_argument("--ingest-steps", type=int, default=4)
-    ap.add_argument("--events-per-request", type=int, default=2)
+    ap.add_argument(
+        "--ingest-steps",
+        type=int,
+        default=0,
+        help="steps each rank posts (0: two of the agent's POSTs)",
+    )
+    ap.add_argument(
+        "--step-time-s", type=float, default=1.0, help="how often a rank steps (the batching)"
+    )
+    ap.add_argument(
+        "--skip-reads", action="store_true", help="ingest only (no fill, reads or storage)"
+    )
     ap.add_argument("--clients", type=int, default=2)
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--query-steps", type=int, default=1000)

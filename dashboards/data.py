@@ -88,6 +88,44 @@ class Straggler:
 
 
 @dataclass(frozen=True)
+class Quantiles:
+    """One quantity over a run's ranks at one step: the rollups' order statistics."""
+
+    min: float
+    p10: float
+    p50: float
+    p90: float
+    max: float
+
+
+@dataclass(frozen=True)
+class RankDistribution:
+    """One quantity over a run's `n` ranks at one step, sorted ascending: the value at
+    `positions[i]` (the place in that order, 0 to n - 1) is `values[i]`, held by rank
+    `ranks[i]`, or None where the point is a quantile (p10, median, p90) and not one rank.
+
+    From the rollups, not the ranks' rows: a run of up to 32 ranks has every rank here (the
+    rollups keep the 16 ranks at each end); a wider one its 16 lowest and 16 highest ranks
+    with the p10, median and p90 between them, so its cost does not grow with the ranks.
+    """
+
+    n: int
+    step: int
+    positions: Sequence[float] = ()
+    values: Sequence[float] = ()
+    ranks: Sequence[int | None] = ()
+
+    def __post_init__(self) -> None:
+        if not len(self.positions) == len(self.values) == len(self.ranks):
+            raise ValueError("RankDistribution: positions, values and ranks differ in length")
+
+    @property
+    def every_rank(self) -> bool:
+        """Whether every rank is a point (nothing between the points is interpolated)."""
+        return len(self.values) == self.n and all(r is not None for r in self.ranks)
+
+
+@dataclass(frozen=True)
 class RunSummary:
     """One run as the figures of the compare page need it (read.compare's figures)."""
 
@@ -133,8 +171,10 @@ class RunView:
     step_time_mean: Series = field(default_factory=Series)
     #: Communication compute hid (mean over ranks): beside the parts, not in their sum.
     hidden_comm: Series = field(default_factory=Series)
-    #: The distribution over ranks per step: {metric: {stat: Series}} for step time and
-    #: busy time, stats min, p10, p50, p90, max (the rollups').
+    #: The distribution over ranks per step: {metric: {stat: Series}} for step time, busy
+    #: time, exposed communication, each phase (`phase.<p>`) and each collective's latency
+    #: and bus bandwidth (`collective.<op>.latency_s`, `.busbw`); stats min, p10, p50, p90,
+    #: max (the rollups').
     spread: dict[str, dict[str, Series]] = field(default_factory=dict)
     #: Ranks that stand out over the sampled window, each {"rank", "host", "what", "value",
     #: "median", "unit"}: slowest busy time, highest memory peak, lowest bus bandwidth.
@@ -143,9 +183,13 @@ class RunView:
     latency: dict[str, Series] = field(default_factory=dict)
     busbw: dict[str, Series] = field(default_factory=dict)
     sizes: dict[str, SizePoints] = field(default_factory=dict)
-    peaks: dict[int, dict[str, float]] = field(default_factory=dict)
-    model_state: dict[int, dict[str, float]] = field(default_factory=dict)
+    #: Memory at the newest step that measured it: the peak (highest phase peak) over
+    #: ranks, the model state the median rank holds by kind, each phase's peak over ranks.
+    memory_peak: RankDistribution | None = None
+    memory_state: dict[str, float] = field(default_factory=dict)
+    memory_phases: dict[str, Quantiles] = field(default_factory=dict)
     theory: dict[str, float] = field(default_factory=dict)
+    #: The device capacity the agents reported (None: none did, e.g. a CPU run).
     capacity_bytes: float | None = None
     offload: dict[str, Series] = field(default_factory=dict)
     grad_norm: Series = field(default_factory=Series)
@@ -162,7 +206,8 @@ class RunView:
 
     @property
     def peak_bytes(self) -> float | None:
-        return max((v for p in self.peaks.values() for v in p.values()), default=None)
+        """The highest memory peak of any rank at the newest step that measured memory."""
+        return max(self.memory_peak.values, default=None) if self.memory_peak else None
 
     @property
     def exposed_share(self) -> float | None:
@@ -170,4 +215,5 @@ class RunView:
         return e / s if e is not None and s else None
 
 
-__all__ = ["RankGrid", "RunSummary", "RunView", "Series", "SizePoints", "Straggler"]
+__all__ = ["Quantiles", "RankDistribution", "RankGrid", "RunSummary", "RunView", "Series", "SizePoints",
+           "Straggler"]  # fmt: skip

@@ -3,7 +3,10 @@
 - step_breakdown: where does a step's time go, and how much communication is exposed?
 - collectives: is a collective getting slower, is its bus bandwidth where it should be?
 - bandwidth_vs_size: are messages big enough to reach the link's bandwidth (nccl-tests view)?
-- memory: how far is each rank's peak above the ZeRO theory's model-state bytes?
+- spread, phases (dashboards.spread): is the whole job slow or a few ranks, and in which
+  phase?
+- memory (dashboards.spread): how do the ranks' peaks sort against the ZeRO theory's
+  model states and the device capacity?
 - offload: is the host link the bottleneck of CPU offload?
 - training: grad norm (clipping), loss, learning rate, loss scale and skipped steps.
 - rank_heatmap: which rank holds the others back?
@@ -19,6 +22,7 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 from zerowatch.dashboards import theme as th
 from zerowatch.dashboards.data import RankGrid, RunView, Series, SizePoints, Straggler
+from zerowatch.dashboards.spread import add_bands, memory_by_rank, phase_spread, rank_spread
 
 from zerowatch.events import PHASES, STEP_PARTS
 
@@ -72,42 +76,6 @@ def step_parts(step_time: Series, parts: Mapping[str, Series], hidden_comm: Seri
                        hovertemplate="%{y:.3~f} ms (ran under compute)")
         )  # fmt: skip
     return _time_per_step_layout(fig)
-
-
-def rank_spread(spread: Mapping[str, Mapping[str, Series]]) -> go.Figure:
-    """The distribution over ranks per step, for step time and busy time: the median line in
-    a p10-p90 band in a min-max band. One slow rank widens the top of the min-max band of
-    busy time; a slow node moves the p90 too. Draws the same for 2 ranks as for 4,096."""
-    names = [n for n in ("busy_s", "step_time_s") if spread.get(n)]
-    titles = {"busy_s": "busy time (step − exposed communication)", "step_time_s": "step time"}
-    fig = th.rows_figure("Ranks over steps: median, p10–p90, min–max", [titles[n] for n in names],
-                         height=200 * len(names) + 90, gap=0.1, showlegend=True,
-                         hovermode="x unified")  # fmt: skip
-    for k, name in enumerate(names, start=1):
-        st = spread[name]
-        axes = th.panel_axes(k)
-        first = k == 1
-
-        def band(lo: str, hi: str, label: str, alpha: float, st: Mapping[str, Series] = st,
-                 axes: dict = axes, first: bool = first) -> None:  # fmt: skip
-            fill = f"rgba(76,120,168,{alpha})"
-            fig.add_trace(go.Scatter(x=list(st[lo].steps), y=th.scaled(st[lo].values, 1e-3),
-                                     mode="lines", line={"width": 0}, showlegend=False,
-                                     legendgroup=label, hoverinfo="skip", **axes))  # fmt: skip
-            fig.add_trace(go.Scatter(x=list(st[hi].steps), y=th.scaled(st[hi].values, 1e-3),
-                                     mode="lines", line={"width": 0}, fill="tonexty",
-                                     fillcolor=fill, name=label, legendgroup=label,
-                                     showlegend=first, hoverinfo="skip", **axes))  # fmt: skip
-
-        band("min", "max", "min–max over ranks", 0.15)
-        band("p10", "p90", "p10–p90 over ranks", 0.35)
-        fig.add_trace(go.Scatter(x=list(st["p50"].steps), y=th.scaled(st["p50"].values, 1e-3),
-                                 mode="lines", name="median rank", legendgroup="median",
-                                 showlegend=first, line={"color": "#2d3436", "width": 2},
-                                 hovertemplate="median %{y:.3~f} ms", **axes))  # fmt: skip
-        fig.update_layout({f"yaxis{'' if k == 1 else k}": {"title": {"text": "ms"}}})
-    fig.update_layout({f"xaxis{len(names)}": {"title": {"text": "step"}}})
-    return fig
 
 
 def step_breakdown(
@@ -194,18 +162,35 @@ def step_breakdown(
     return _time_per_step_layout(fig)
 
 
-def collectives(latency: Mapping[str, Series], busbw: Mapping[str, Series]) -> go.Figure:
-    """Per collective op: mean latency per call (ms) and bus bandwidth (GB/s) over steps.
+def collectives(
+    latency: Mapping[str, Series],
+    busbw: Mapping[str, Series],
+    spread: Mapping[str, Mapping[str, Series]] | None = None,
+) -> go.Figure:
+    """Per collective op: latency per call (ms) and bus bandwidth (GB/s) over steps, the
+    median rank's as a line in the op's colour, in its p10-p90 and min-max bands over ranks
+    where `spread` holds them (a rank on a slow link widens the band's low side of the bus
+    bandwidth).
 
     Args:
-        latency: seconds per call, averaged over the step's calls, by op.
-        busbw: nccl-tests bus bandwidth in bytes/s, by op.
+        latency: seconds per call, averaged over the step's calls, by op (median rank).
+        busbw: nccl-tests bus bandwidth in bytes/s, by op (median rank).
+        spread: `collective.<op>.latency_s` / `.busbw` -> stat -> Series, as RunView.spread.
     """
     fig = th.rows_figure(
-        "Collectives over steps", ["latency per call", "bus bandwidth"], height=480,
+        "Collectives over steps",
+        ["latency per call: median rank, p10–p90 and min–max bands",
+         "bus bandwidth: median rank, p10–p90 and min–max bands"], height=480,
         margin={"l": 64, "r": 24, "t": 90, "b": 48}, hovermode="x unified",
     )  # fmt: skip
     fig.update_layout(legend={"y": 1.1})
+    for op in sorted(set(latency) | set(busbw)):
+        color = th.OP_COLORS.get(op, "#4C78A8")
+        for k, fld, scale in ((1, "latency_s", 1e-3), (2, "busbw", th.GB)):
+            st = (spread or {}).get(f"collective.{op}.{fld}")
+            if st:
+                add_bands(fig, st, axes=th.panel_axes(k), scale=scale, color=color, group=op,
+                          median=False, hover="")  # fmt: skip
     for op in sorted(set(latency) | set(busbw)):
         color = th.OP_COLORS.get(op)
         lat = latency.get(op)
@@ -271,91 +256,6 @@ def bandwidth_vs_size(
         xaxis={"title": {"text": "message size (bytes per call)"}, "type": "log"},
         yaxis={"title": {"text": "bus bandwidth (GB/s)"}, "rangemode": "tozero"},
     )
-    return fig
-
-
-def memory(
-    peaks: Mapping[int, Mapping[str, float]],
-    model_state: Mapping[int, Mapping[str, float]],
-    theory: Mapping[str, float],
-    *,
-    stage: int,
-    capacity_bytes: float | None = None,
-) -> go.Figure:
-    """Peak memory per phase per rank next to the measured and theoretical model-state bytes.
-
-    Bars: per rank, the peak of each phase and the model state the engine holds (device);
-    dashed line: the ZeRO theory's device model-state bytes for this stage; red line: the
-    device capacity where known.
-
-    Args:
-        peaks: rank -> phase -> peak bytes.
-        model_state: rank -> kind -> bytes the engine holds (kinds prefixed `host_` are on the
-            host and are not counted against the device).
-        theory: kind -> bytes per rank according to zerowatch.theory (same key convention).
-        stage: ZeRO stage, for the labels.
-        capacity_bytes: device memory capacity, if known.
-    """
-    fig = th.figure("Memory per rank: peaks vs ZeRO model states", height=440,
-                    legend=th.LEGEND_BELOW, margin={"l": 64, "r": 24, "t": 56, "b": 110})  # fmt: skip
-    ranks = sorted(set(peaks) | set(model_state))
-    x = [f"rank {r}" for r in ranks]
-    device_state = [
-        sum(v for k, v in model_state.get(r, {}).items() if not k.startswith("host_"))
-        for r in ranks
-    ]
-    theory_device = sum(v for k, v in theory.items() if not k.startswith("host_"))
-    values = [v for p in peaks.values() for v in p.values() if v] + device_state + [theory_device]
-    top = max(values, default=0.0)
-    low = min((v for v in values if v > 0), default=0.0)
-    # Units that fit the numbers, and a log axis where a process's peak dwarfs its model
-    # states (a CPU run's RSS holds the whole interpreter): both stay readable.
-    unit, scale = ("GiB", th.GIB) if top >= th.GIB else ("MiB", 2**20)
-    log = low > 0 and top / low > 20
-    hover = f"%{{y:.4~f}} {unit}"
-    phases: list[str] = [p for p in PHASES if any(p in peaks.get(r, {}) for r in ranks)]
-    phases += sorted({p for r in ranks for p in peaks.get(r, {})} - set(phases))
-    for phase in phases:
-        fig.add_trace(
-            go.Bar(x=x, y=th.scaled([peaks.get(r, {}).get(phase) for r in ranks], scale),
-                   name=f"peak in {th.phase_label(phase)}",
-                   marker={"color": th.PHASE_COLORS.get(phase)}, hovertemplate=hover)
-        )  # fmt: skip
-    if model_state:
-        fig.add_trace(
-            go.Bar(x=x, y=th.scaled(device_state, scale), name="model states (measured)",
-                   marker={"color": "#636e72", "pattern": {"shape": "/"}}, hovertemplate=hover)
-        )  # fmt: skip
-    if theory_device and x:
-        detail = "<br>".join(
-            f"{th.kind_label(k)}: {th.fmt_bytes(v)}"
-            for k, v in theory.items()
-            if v and not k.startswith("host_")
-        )
-        fig.add_trace(
-            go.Scatter(x=x, y=[theory_device / scale] * len(x),
-                       name=f"ZeRO-{stage} theory: model states", mode="lines+markers",
-                       line={"color": th.THEORY_COLOR, "dash": "dash"},
-                       marker={"symbol": "diamond", "size": 9},
-                       hovertemplate=f"{hover}<br>{detail}<extra>theory</extra>")
-        )  # fmt: skip
-    if capacity_bytes and top < 0.1 * capacity_bytes:
-        # A line at 80 GiB would flatten bars of a few hundred MiB: name the capacity instead.
-        fig.update_layout(title_text=f"{fig.layout.title.text} (device capacity "
-                                     f"{th.fmt_bytes(capacity_bytes)}, off the scale)")  # fmt: skip
-    elif capacity_bytes:
-        fig.add_hline(
-            y=capacity_bytes / scale,
-            line={"color": th.CAPACITY_COLOR, "dash": "dot"},
-            annotation_text=f"device capacity {th.fmt_bytes(capacity_bytes)}",
-            annotation_position="top left",
-        )
-    fig.update_layout(
-        barmode="group",
-        yaxis={"title": {"text": f"memory ({unit}{', log scale' if log else ''})"},
-               "type": "log" if log else "linear"},
-        xaxis={"title": {"text": "rank"}},
-    )  # fmt: skip
     return fig
 
 
@@ -521,6 +421,7 @@ def rank_heatmap(
 CHARTS = (
     ("breakdown", True),
     ("spread", True),
+    ("phases", True),
     ("collectives", False),
     ("bandwidth", False),
     ("memory", False),
@@ -537,18 +438,21 @@ def figures(view: RunView) -> dict[str, go.Figure]:
         out["breakdown"] = step_parts(view.step_time_mean, view.parts, view.hidden_comm)
     elif view.step_time:
         out["breakdown"] = step_breakdown(view.step_time, view.phases, view.exposed_comm)
-    if view.spread and int(view.run.get("world_size", 1)) > 1:
+    wide = int(view.run.get("world_size", 1)) > 1
+    if wide and any(view.spread.get(n) for n in ("busy_s", "step_time_s")):
         out["spread"] = rank_spread(view.spread)
+    if wide and any(k.startswith("phase.") and v for k, v in view.spread.items()):
+        out["phases"] = phase_spread(view.spread)
     if any(view.latency.values()) or any(view.busbw.values()):
-        out["collectives"] = collectives(view.latency, view.busbw)
+        out["collectives"] = collectives(view.latency, view.busbw, view.spread)
     if any(p.sizes for p in view.sizes.values()):
         ceiling = view.run.get("engine_info", {}).get("busbw_ceiling_bytes_per_s")
         out["bandwidth"] = bandwidth_vs_size(
             view.sizes, float(ceiling) if isinstance(ceiling, (int, float)) else None
         )
-    if view.peaks or view.model_state:
-        out["memory"] = memory(
-            view.peaks, view.model_state, view.theory,
+    if view.memory_peak is not None:
+        out["memory"] = memory_by_rank(
+            view.memory_peak, view.memory_state, view.memory_phases, view.theory,
             stage=int(view.run.get("zero_stage", 0)), capacity_bytes=view.capacity_bytes,
         )  # fmt: skip
     if any(view.offload.values()):
@@ -582,10 +486,12 @@ __all__ = [
     "bandwidth_vs_size",
     "collectives",
     "figures",
-    "memory",
+    "memory_by_rank",
     "missing_notes",
     "offload",
+    "phase_spread",
     "rank_heatmap",
+    "rank_spread",
     "step_breakdown",
     "training",
 ]

@@ -189,7 +189,50 @@ def rows_figure(
                             "y": top, "yref": "paper", "yanchor": "bottom", "showarrow": False,
                             "font": {"size": 13}})  # fmt: skip
     return go.Figure(layout={**base_layout(title, height=height), **spec, "annotations": annotations,
-                             **layout})  # fmt: skip
+                             **layout}, _validate=VALIDATE)  # fmt: skip
+
+
+def grid_figure(
+    title: str, panels: list[str], *, cols: int, row_height: int, gap: float = 0.07,
+    **layout: object,
+) -> go.Figure:  # fmt: skip
+    """A figure of panels in a grid of `cols` columns (filled row by row) sharing one step
+    axis: panel k (1 = top left) draws on axes `x{k}`/`y{k}` (`panel_axes(k)`), its title
+    above it; the bottom panel of each column shows the step ticks. Laid out by hand, as
+    `rows_figure`."""
+    n = len(panels)
+    rows = max(1, -(-n // cols))
+    height = row_height * rows + 90
+    vgap = 50 / height  # room for a panel title, in paper units
+    span_y = (1.0 - vgap * (rows - 1)) / rows
+    span_x = (1.0 - gap * (cols - 1)) / cols
+    spec: dict[str, object] = {}
+    annotations = []
+    for k in range(1, n + 1):
+        r, c = divmod(k - 1, cols)
+        top = 1.0 - r * (span_y + vgap)
+        left = c * (span_x + gap)
+        bottom_of_column = k + cols > n
+        spec[_axis_key("yaxis", k)] = {
+            **AXIS_STYLE, "anchor": f"x{k}" if k > 1 else "x",
+            "domain": [max(round(top - span_y, 6), 0.0), round(top, 6)],
+        }  # fmt: skip
+        spec[_axis_key("xaxis", k)] = {
+            **AXIS_STYLE, "anchor": f"y{k}" if k > 1 else "y", "showticklabels": bottom_of_column,
+            "domain": [round(left, 6), min(round(left + span_x, 6), 1.0)],
+            **({"matches": "x"} if k > 1 else {}),
+        }  # fmt: skip
+        annotations.append({"text": panels[k - 1], "x": left + span_x / 2, "xref": "paper",
+                            "xanchor": "center", "y": top, "yref": "paper", "yanchor": "bottom",
+                            "showarrow": False, "font": {"size": 13}})  # fmt: skip
+    return go.Figure(layout={**base_layout(title, height=height), **spec,
+                             "annotations": annotations, **layout}, _validate=VALIDATE)  # fmt: skip
+
+
+def rgba(color: str, alpha: float) -> str:
+    """A `#RRGGBB` colour with an opacity, as plotly takes it (`rgba(r,g,b,a)`)."""
+    r, g, b = (int(color[i : i + 2], 16) for i in (1, 3, 5))
+    return f"rgba({r},{g},{b},{alpha})"
 
 
 def panel_axes(k: int) -> dict[str, str]:
@@ -232,9 +275,22 @@ LEGEND_BELOW: dict[str, object] = {
 }  # fmt: skip
 
 
+#: Whether plotly checks every property of the figures (`figure`, `rows_figure`,
+#: `grid_figure`: what is added to them) and of the traces `scatter` builds. It costs ~5 ms
+#: a trace, most of a wide run's page on the server (its bands are a hundred traces), and
+#: checks only what the builders' own tests already pin: tests turn it on
+#: (tests/dashboards/conftest.py), so a misspelt property still fails there.
+VALIDATE = False
+
+
+def scatter(**props: object) -> go.Scatter:
+    """A scatter trace, checked by plotly only when `VALIDATE` is on."""
+    return go.Scatter(**props, _validate=VALIDATE)
+
+
 def figure(title: str, *, height: int = 360, **layout: object) -> go.Figure:
     """An empty figure with the zerowatch layout."""
-    return go.Figure(layout=base_layout(title, height=height, **layout))
+    return go.Figure(layout=base_layout(title, height=height, **layout), _validate=VALIDATE)
 
 
 def note_figure(title: str, message: str, *, height: int = 200) -> go.Figure:
@@ -278,6 +334,7 @@ __all__ = [
     "SERIES_COLORS",
     "STATUS_COLORS",
     "THEORY_COLOR",
+    "VALIDATE",
     "base_layout",
     "color_for",
     "figure",
@@ -285,13 +342,16 @@ __all__ = [
     "fmt_bytes",
     "fmt_rate",
     "fmt_seconds",
+    "grid_figure",
     "kind_label",
     "note_figure",
     "op_label",
     "panel_axes",
     "phase_label",
+    "rgba",
     "rows_figure",
     "scaled",
+    "scatter",
     "style_axes",
     "text",
 ]

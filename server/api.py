@@ -93,13 +93,13 @@ def _of_run(read_fn: Callable[..., T | None], run_id: str, **kwargs: Any) -> T:
 def create_run(
     run: ev.RunCreate, response: Response, db: DbDep, settings: SettingsDep
 ) -> dict[str, Any]:
-    """Create a run (idempotent on run_id: 201 when new, 200 when it exists)."""
+    """Create a run (idempotent on run_id: 201 when new, 200 when it exists); answers the
+    run's record (GET /runs/{run_id} adds its ranks and recent performance)."""
     with _refused():
         _, created = store.create_run(db, run=run)
     if not created:
         response.status_code = 200
-    return _of_run(read.get_run, run.run_id, db=db, stalled_after_s=settings.stalled_after_s,
-                   recent_steps=settings.recent_steps)  # fmt: skip
+    return _of_run(read.run_record, run.run_id, db=db, stalled_after_s=settings.stalled_after_s)
 
 
 @router.get("/runs", dependencies=Read, tags=["runs"])

@@ -5,11 +5,14 @@ app is created), the `Ingestor` (group commit) and the rollup `Compactor` (read/
 Nothing a read answers lives only in this process: /metrics, run status and pages come from
 the database, so several server processes (`zerowatch serve --workers N`, or servers on one
 PostgreSQL database behind a load balancer) answer alike. Routes: the JSON API (api.py)
-under /api/v1, `/metrics`, `/healthz`, and the HTML pages (pages.py).
+under /api/v1, `/metrics`, `/healthz`, and the HTML pages (pages.py); every response
+carries the security headers of security.py (a Content-Security-Policy among them).
 
 Errors are JSON `{"detail": ...}`: validation problems are 422 with the location of each bad
-field (`loc`) and a one-line `message`; anything unforeseen is logged and answered 500
-without internals (the schemathesis test holds that none is reachable).
+field (`loc`) and a one-line `message`; a database that is down, restarting or out of
+disk is a 503 or 507 naming the cause, with Retry-After (db_errors.py); ingest past the
+admission bound is a 503 with Retry-After (admission.py); anything unforeseen is logged and
+answered 500 without internals (the schemathesis test holds that none is reachable).
 """
 
 from __future__ import annotations
@@ -26,14 +29,16 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError
 from starlette.concurrency import run_in_threadpool
-from zerowatch.server import api
+from zerowatch.server import api, db_errors
+from zerowatch.server.admission import Admission, AdmissionMiddleware
 from zerowatch.server.db import Database
 from zerowatch.server.deps import require_read
 from zerowatch.server.ingest import Ingestor
 from zerowatch.server.metrics import exposition
 from zerowatch.server.read.rollups import Compactor, Retention
+from zerowatch.server.security import SecurityHeadersMiddleware
 from zerowatch.server.settings import Settings, SettingsError, get_settings
 
 import zerowatch
@@ -60,13 +65,18 @@ def _install_error_handlers(app: FastAPI) -> None:
             errors.append(jsonable_encoder(e, custom_encoder={Exception: str}))
         return JSONResponse({"detail": errors, "message": _message(errors)}, status_code=422)
 
-    @app.exception_handler(OperationalError)
-    async def _db_busy(_request: Request, exc: OperationalError) -> JSONResponse:
-        log.warning("database unavailable: %s", exc.orig)
+    @app.exception_handler(DBAPIError)
+    async def _db_failed(request: Request, exc: DBAPIError) -> JSONResponse:
+        answer = db_errors.classify(exc)
+        if answer is None:
+            log.error("database error on %s %s", request.method, request.url.path, exc_info=exc)
+            return JSONResponse({"detail": "internal server error"}, status_code=500)
+        log.warning("%s %s: %d: %s", request.method, request.url.path, answer.status,
+                    answer.detail)  # fmt: skip
         return JSONResponse(
-            {"detail": "database unavailable, retry later"},
-            status_code=503,
-            headers={"Retry-After": "1"},
+            {"detail": answer.detail},
+            status_code=answer.status,
+            headers={"Retry-After": str(answer.retry_after_s)},
         )
 
 
@@ -90,30 +100,57 @@ class RejectNulMiddleware:
         await self.app(scope, receive, send)
 
 
-def _install_docs(app: FastAPI) -> None:
-    """/docs from the installed Swagger UI bundle (no CDN: the server may have no internet).
+_DOCS_HTML = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>zerowatch API</title>
+<link rel="stylesheet" href="/_swagger/swagger-ui.css">
+<link rel="icon" href="/_swagger/favicon-32x32.png">
+</head>
+<body>
+<div id="swagger-ui"></div>
+<script src="/_swagger/swagger-ui-bundle.js"></script>
+<script src="/static/swagger-init.js"></script>
+</body>
+</html>
+"""
 
-    Without the `swagger-ui-bundle-v2` package, /docs falls back to FastAPI's page, which
-    loads Swagger UI from a CDN; /openapi.json works either way.
+
+def _install_docs(app: FastAPI) -> None:
+    """/docs from the installed Swagger UI bundle (no CDN: the server may have no internet),
+    started by a script file, not an inline one (the Content-Security-Policy of
+    server/security.py runs scripts from the server only). /openapi.json works either way.
     """
+    from fastapi.responses import FileResponse, HTMLResponse
+
     try:
         from swagger_ui_bundle import swagger_ui_path
     except ImportError:
+        swagger_ui_path = None
+    if swagger_ui_path is None:
+
+        @app.get("/docs", include_in_schema=False)
+        async def no_docs() -> Response:
+            return HTMLResponse(
+                "<p>Swagger UI is not installed (pip install swagger-ui-bundle-v2); the API "
+                'is described at <a href="/openapi.json">/openapi.json</a>.</p>'
+            )
+
         return
-    from fastapi.openapi.docs import get_swagger_ui_html
     from fastapi.staticfiles import StaticFiles
 
     app.mount("/_swagger", StaticFiles(directory=swagger_ui_path), name="swagger-ui")
+    init = Path(__file__).parent / "static" / "swagger-init.js"
+
+    @app.get("/static/swagger-init.js", include_in_schema=False)
+    async def docs_init() -> Response:
+        return FileResponse(init, media_type="text/javascript")
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> Response:
-        return get_swagger_ui_html(
-            openapi_url="/openapi.json",
-            title="zerowatch API",
-            swagger_js_url="/_swagger/swagger-ui-bundle.js",
-            swagger_css_url="/_swagger/swagger-ui.css",
-            swagger_favicon_url="/_swagger/favicon-32x32.png",
-        )
+        return HTMLResponse(_DOCS_HTML)
 
 
 def _include_pages(app: FastAPI) -> None:
@@ -144,6 +181,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         db,
         interval_s=settings.rollup_interval_s,
         settle_s=settings.rollup_settle_s,
+        incomplete_s=settings.rollup_incomplete_s,
         retention=Retention(
             full_steps=settings.retention_full_steps, every=settings.retention_every
         ),
@@ -163,14 +201,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await run_in_threadpool(compactor.close)
         db.close()
 
-    try:
-        import swagger_ui_bundle  # noqa: F401
-
-        docs_url: str | None = None  # served from the bundle by _install_docs
-    except ImportError:
-        docs_url = "/docs"
     app = FastAPI(
-        docs_url=docs_url,
+        docs_url=None,  # served by _install_docs
         title="zerowatch",
         version=zerowatch.__version__,
         description="Observability for ZeRO-sharded training: runs, ingest, series, compare, trace.",
@@ -180,8 +212,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.db = db
     app.state.compactor = compactor
     app.state.ingestor = ingestor = Ingestor(db, trace_sample_every=settings.trace_sample_every)
+    app.state.admission = admission = Admission(settings.ingest_max_pending)
     _install_error_handlers(app)
     app.add_middleware(RejectNulMiddleware)
+    app.add_middleware(AdmissionMiddleware, admission=admission)
+    app.add_middleware(SecurityHeadersMiddleware)
     app.include_router(api.router)
 
     @app.get("/healthz", tags=["health"])

@@ -9,10 +9,13 @@
   instead of values that would fail later inside an INSERT.
 
 Parsing is the ingest path's first cost per rank-step. orjson parses a body in C and
-refuses NaN, Infinity and floats that overflow by itself; a body it refuses, or whose text
-holds a 19-digit run (an integer that may not fit 64 bits: orjson would read it as a float)
-or an escaped surrogate, goes through the standard library's parser with a check per number,
-which says precisely what is wrong. Valid bodies never take that path.
+refuses NaN, Infinity, floats that overflow and unpaired surrogates by itself; a body it
+refuses, or whose text holds a run of 19 digits (an integer that may not fit 64 bits: orjson
+would read it as a float), goes through the standard library's parser with a check per
+number, which says precisely what is wrong. Valid bodies never take that path. The digit
+runs are found by mapping every digit to "0" and everything else to a space
+(`bytes.translate`) and searching for nineteen "0"s: a regular expression tries a match at
+every digit of every number, seven times the cost of parsing the body.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from fastapi.routing import APIRoute
 
 INT64_MAX = 2**63 - 1
 _SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
-#: Text the fast parser may not read as the strict one would (see the module docstring).
-_SUSPECT = re.compile(rb"[0-9]{19}|\\u[dD][89a-fA-F]")
+#: Digits to "0", every other byte to " ": a run of 19 digits becomes `_LONG_RUN`.
+_DIGITS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+_LONG_RUN = b"0" * 19
 
 
 class BodyError(ValueError):
@@ -72,7 +76,8 @@ def _check_strings(obj: Any) -> None:
 
 def loads_strict(raw: bytes) -> Any:
     """Parse JSON that the store can hold as is; raise BodyError or json.JSONDecodeError."""
-    if not _SUSPECT.search(raw):
+    # Text the fast parser may not read as the strict one would (see the module docstring).
+    if _LONG_RUN not in raw.translate(_DIGITS):
         try:
             obj = orjson.loads(raw)
         except orjson.JSONDecodeError:

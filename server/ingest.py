@@ -11,7 +11,11 @@ wake-up per group), and repeats while more are waiting. Nobody is answered befor
 batch is committed, so an answer still means "stored".
 
 The group is written with one multi-row statement per table (store.ingest_many), so fifty
-one-event batches cost about what one fifty-event batch does. Each batch stays atomic on its
+one-event batches cost about what one fifty-event batch does. A group is worth waiting for:
+every commit writes the pages it touched, whatever it holds (on SQLite one POST of 16 events
+in a transaction of its own cost three times what it does in a group of 16 POSTs), so the
+writer lingers up to `linger_s` (20 ms) for more batches once one is waiting, unless
+`linger_events` already are. Each batch stays atomic on its
 own: it is validated before anything of it is written, so a bad batch is refused alone; if
 the group's transaction fails for another reason, it is rolled back and every batch of the
 group is retried in a transaction of its own, so one batch's failure never loses another's
@@ -63,11 +67,15 @@ class Ingestor:
         trace_sample_every: int = 1,
         max_group: int = 256,
         max_group_events: int = 20_000,
+        linger_s: float = 0.02,
+        linger_events: int = 1024,
     ) -> None:
         self.db = db
         self.trace_sample_every = trace_sample_every
         self.max_group = max_group
         self.max_group_events = max_group_events
+        self.linger_s = linger_s
+        self.linger_events = linger_events
         self._cond = threading.Condition()
         self._queue = _Queue()
         self._writer: threading.Thread | None = None
@@ -126,6 +134,16 @@ class Ingestor:
                     self._writer = None  # the next batch starts a new writer
                     return None
                 self._cond.wait()
+            # Linger: a group of a few events costs a commit (and its pages written to the
+            # WAL) for little; while fewer than `linger_events` wait, give the requests on
+            # their way `linger_s` to join this group.
+            deadline = time.monotonic() + self.linger_s
+            while not self._queue.closed:
+                waiting = sum(len(job.batch.events) for job in self._queue.jobs)
+                left = deadline - time.monotonic()
+                if waiting >= self.linger_events or left <= 0:
+                    break
+                self._cond.wait(left)
             pending = self._queue.jobs
             group: list[_Job] = []
             n_events = 0

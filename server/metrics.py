@@ -43,7 +43,7 @@ from zerowatch.server import models as m
 from zerowatch.server.db import Database
 from zerowatch.server.read import rollups, runs, series
 from zerowatch.server.read.rollups import Stats
-from zerowatch.server.read.vocabulary import rank_values
+from zerowatch.server.read.vocabulary import rank_values_of
 
 from zerowatch import events as ev
 
@@ -171,7 +171,8 @@ def _outlier_values(conn: Connection, pk: int, ranks: list[int], step: int) -> d
     s = m.steps.c
     cols = [s[c] for c in rollups.STEP_COLS]
     rows = conn.execute(select(*cols).where(s.run == pk, s.step == step, s.rank.in_(ranks))).all()
-    return {int(r.rank): rank_values(r._mapping, ()) for r in rows}
+    values = rank_values_of([r._mapping for r in rows], [() for _ in rows])
+    return {int(r.rank): v for r, v in zip(rows, values, strict=True)}
 
 
 def _collect_run(conn: Connection, fam: _Families, row: Any, *, top_k: int, now: float) -> None:

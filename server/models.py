@@ -223,7 +223,8 @@ class DirtyStep(Base):
     run: Mapped[int] = mapped_column(Integer, primary_key=True)
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     version: Mapped[int] = mapped_column(BigInteger)
-    #: Server time of the first mark (the compactor lets a step settle before it rolls up).
+    #: Server time of the newest mark: the compactor rolls a step up once no rank has
+    #: written to it for a while (its ranks have arrived).
     since: Mapped[float] = mapped_column(Float)
 
 

@@ -14,7 +14,16 @@ from typing import Any
 from urllib.parse import quote
 
 from sqlalchemy import select
-from zerowatch.dashboards.data import RankGrid, RunSummary, RunView, Series, SizePoints, Straggler
+from zerowatch.dashboards.data import (
+    Quantiles,
+    RankDistribution,
+    RankGrid,
+    RunSummary,
+    RunView,
+    Series,
+    SizePoints,
+    Straggler,
+)  # fmt: skip
 from zerowatch.server import models as m
 from zerowatch.server.db import Database
 from zerowatch.server.read import compare as compare_read
@@ -33,8 +42,18 @@ DRAWN = (
     *(f"collective.{op}.{f}" for op in ev.COLLECTIVE_OPS
       for f in ("latency_s", "busbw", "bytes", "count")),
 )  # fmt: skip
-#: Ranks whose memory is drawn one by one; wider runs show the distribution's ends.
-MEMORY_RANKS = 64
+#: The metrics drawn as their distribution over ranks (median, p10-p90, min-max bands).
+SPREAD = (
+    "step_time_s", "busy_s", "exposed_comm_s", *(f"phase.{p}" for p in ev.PHASES),
+    *(f"collective.{op}.{f}" for op in ev.COLLECTIVE_OPS for f in ("latency_s", "busbw")),
+)  # fmt: skip
+#: Most rank-steps the run page's heatmap reads (the one chart that reads rank rows: its
+#: cost follows the ranks): the newest 8 steps of a 4,096-rank run, 32 of 1,024 ranks, every
+#: sampled step up to 81 ranks. The bands over ranks cover the whole run from the rollups.
+HEATMAP_RANK_STEPS = 32_768
+#: How far back from the newest step the memory chart looks for a step that measured memory
+#: (agents measure it every 10th step by default).
+MEMORY_WINDOW = 50
 
 
 def sample_steps(first: int, last: int, n: int) -> list[int]:
@@ -69,7 +88,7 @@ def run_view(
 ) -> RunView | None:
     """The run page's data (see the module docstring), or None for an unknown run."""
     run = runs.get_run(db=db, run_id=run_id, stalled_after_s=stalled_after_s,
-                       recent_steps=recent_steps)  # fmt: skip
+                       recent_steps=recent_steps, ranks=False)  # fmt: skip
     if run is None:
         return None
     view = RunView(run=run, theory={k: float(v) for k, v in (run.get("theory") or {}).items()})
@@ -83,7 +102,7 @@ def run_view(
         # all still being rolled up (a fresh live run) reads everything it has.
         names = [n for n in rollups.metric_names(conn, pk) if n.startswith(DRAWN)]
         got = rollups.read(conn, pk, names or None, steps_in=steps)
-        memory = _memory(conn, pk, int(run["world_size"]), bounds[1])
+        memory = _memory(conn, pk, bounds[1])
     view.last_step = bounds[1]
     view.steps = sorted(got.get("step_time_s", {}))
     st = view.steps
@@ -99,7 +118,7 @@ def run_view(
         view.hidden_comm = _mean(got.get("hidden_comm_s", none), st)
     view.offload = {d: _p50(got[f"offload.{d}.bandwidth"], st) for d in ("d2h", "h2d")
                     if got.get(f"offload.{d}.bandwidth")}  # fmt: skip
-    for name in ("step_time_s", "busy_s"):
+    for name in SPREAD:
         per = got.get(name, none)
         xs = [s for s in st if s in per]
         if xs:
@@ -127,12 +146,13 @@ def run_view(
         pts = [s for s in st if s in nbytes and s in count and s in bw and count[s].p50 > 0]
         view.sizes[op] = SizePoints([nbytes[s].p50 / count[s].p50 for s in pts],
                                     [bw[s].p50 for s in pts], pts)  # fmt: skip
-    view.peaks, view.model_state, cap, theory = memory
-    view.capacity_bytes = cap
+    view.memory_peak, view.memory_state, view.memory_phases, view.capacity_bytes, theory = memory
     if theory and not view.theory:
         view.theory = theory
     view.outliers = _outliers(db, pk, int(run["world_size"]), bounds[1])
-    heat = series.rank_heatmap(db=db, run_id=run_id, metric="busy_s", max_steps=len(st) or 1)
+    world = max(int(run["world_size"]), 1)
+    heat = series.rank_heatmap(db=db, run_id=run_id, metric="busy_s",
+                               max_steps=max(1, min(len(st), HEATMAP_RANK_STEPS // world)))  # fmt: skip
     if heat is not None:
         rid = quote(run_id, safe="")
         view.heat = RankGrid(heat["ranks"], heat["steps"], heat["z"], block=int(heat["block"]),
@@ -179,38 +199,65 @@ def _outliers(db: Database, pk: int, world: int, last: int) -> list[dict[str, An
     return out
 
 
-def _memory(
-    conn: Any, pk: int, world: int, last: int
-) -> tuple[
-    dict[int, dict[str, float]], dict[int, dict[str, float]], float | None, dict[str, float]
-]:
-    """Per-rank peaks and model state at the newest step (up to MEMORY_RANKS ranks: the
-    highest peaks of a wider run), the device capacity and the theory the agent reported."""
-    got = rollups.read(conn, pk, ["memory.peak"], steps_in=[last], extra=True)
-    newest = got["memory.peak"].get(last)
-    if newest is None:
-        return {}, {}, None, {}
-    if world <= MEMORY_RANKS:
-        ranks = None
+def distribution(st: Stats, step: int) -> RankDistribution:
+    """A metric's distribution over ranks at one step, from its rollup with the outlier
+    lists (`extra`): every rank where the lists hold them all (up to 2 x rollups.TOP_K
+    ranks), else the lowest and highest ranks with the p10, median and p90 between."""
+    lo = sorted((float(v), int(r)) for r, v in st.extra.get("lo", []))
+    hi = sorted((float(v), int(r)) for r, v in st.extra.get("hi", []))
+    if not lo or not hi:  # no lists (a one-rank run): the ends the rollup names
+        lo, hi = [(st.min, st.min_rank)], [(st.max, st.max_rank)]
+    pairs = sorted({r: (v, r) for v, r in (*lo, *hi)}.values())
+    points: list[tuple[float, float, int | None]]
+    if len(pairs) >= st.n:  # every rank is in the lists
+        points = [(float(i), v, r) for i, (v, r) in enumerate(pairs)]
     else:
-        ranks = [int(r) for r, _ in newest.extra.get("hi", [])] or [newest.max_rank]
-    s = m.steps.c
-    q = select(s.rank, s.memory).where(s.run == pk, s.step == last)
-    if ranks is not None:
-        q = q.where(s.rank.in_(ranks))
-    peaks: dict[int, dict[str, float]] = {}
-    state: dict[int, dict[str, float]] = {}
-    cap = 0.0
-    theory: dict[str, float] = {}
-    for r in conn.execute(q.order_by(s.rank)):
-        mem = r.memory or {}
-        peaks[int(r.rank)] = {k: float(v) for k, v in (mem.get("peak_by_phase") or {}).items()}
-        if mem.get("model_state"):
-            state[int(r.rank)] = {k: float(v) for k, v in mem["model_state"].items()}
-        if mem.get("model_state_theory") and not theory:
-            theory = {k: float(v) for k, v in mem["model_state_theory"].items()}
-        cap = max(cap, float(mem.get("capacity_bytes") or 0))
-    return peaks, state, cap or None, theory
+        top = st.n - len(hi)
+        points = [(float(i), v, r) for i, (v, r) in enumerate(lo)]
+        for q in ("p10", "p50", "p90"):
+            at = float(q[1:]) / 100 * (st.n - 1)
+            if points[-1][0] < at < top:
+                points.append((at, st.get(q), None))
+        points += [(float(top + i), v, r) for i, (v, r) in enumerate(hi)]
+    return RankDistribution(n=st.n, step=step, positions=[p[0] for p in points],
+                            values=[p[1] for p in points], ranks=[p[2] for p in points])  # fmt: skip
+
+
+def _memory(
+    conn: Any, pk: int, last: int
+) -> tuple[
+    RankDistribution | None, dict[str, float], dict[str, Quantiles], float | None,
+    dict[str, float],
+]:  # fmt: skip
+    """Memory over ranks at the newest step that measured it (within MEMORY_WINDOW steps):
+    the peak's distribution, the median rank's model state by kind, each phase's peak, the
+    capacity the agents reported and the theory's model state by kind (from the rollups:
+    the cost does not grow with the ranks)."""
+    first = max(0, last - MEMORY_WINDOW + 1)
+    peak = rollups.read(conn, pk, ["memory.peak"], step_from=first, step_to=last)["memory.peak"]
+    if not peak:
+        return None, {}, {}, None, {}
+    step = max(peak)
+    # Every metric of that one step (a hundred rollups; the live steps included).
+    got = rollups.read(conn, pk, None, steps_in=[step], extra=True)
+
+    def p50s(prefix: str) -> dict[str, float]:
+        return {name.removeprefix(prefix): per[step].p50 for name, per in got.items()
+                if name.startswith(prefix) and step in per}  # fmt: skip
+
+    phases = {
+        name.removeprefix("memory.peak."): Quantiles(st.min, st.p10, st.p50, st.p90, st.max)
+        for name, per in got.items()
+        if name.startswith("memory.peak.") and (st := per.get(step)) is not None
+    }
+    cap = got.get("memory.capacity", {}).get(step)
+    return (
+        distribution(got["memory.peak"][step], step),
+        p50s("memory.state."),
+        phases,
+        cap.max if cap is not None and cap.max > 0 else None,
+        p50s("memory.theory."),
+    )
 
 
 def projects(*, db: Database) -> list[str]:
@@ -227,7 +274,7 @@ def run_summary(
     *, db: Database, run_id: str, window: int = 100, stalled_after_s: float = 120.0
 ) -> tuple[dict[str, Any], RunSummary] | None:
     """A run's compare figures (read.compare, as /api/v1/compare gives them)."""
-    run = runs.get_run(db=db, run_id=run_id, stalled_after_s=stalled_after_s)
+    run = runs.get_run(db=db, run_id=run_id, stalled_after_s=stalled_after_s, ranks=False)
     if run is None:
         return None
     got = compare_read.compare(db=db, run_ids=[run_id], window=window)["runs"]
@@ -254,4 +301,5 @@ def run_summary(
     return run, summary
 
 
-__all__ = ["MAX_POINTS", "projects", "run_summary", "run_view", "sample_steps"]
+__all__ = ["MAX_POINTS", "SPREAD", "distribution", "projects", "run_summary", "run_view",
+           "sample_steps"]  # fmt: skip

@@ -135,8 +135,8 @@ def runs_page(
     project, status, tag = project or None, status or None, tag or None
     now = time.time()
     runs = read.list_runs(db=db, project=project, status=status if status in STATUSES else None,
-                             tag=tag, stalled_after_s=settings.stalled_after_s,
-                             recent_steps=settings.recent_steps, now=now)  # fmt: skip
+                          tag=tag, stalled_after_s=settings.stalled_after_s,
+                          recent_steps=settings.recent_steps, now=now, ranks=False)  # fmt: skip
     if status and status not in STATUSES:
         runs = []
     projects = sorted(set(page_queries.projects(db=db)) | ({project} if project else set()))
@@ -285,23 +285,35 @@ def run_figures(
     settings: SettingsDep,
     since: Annotated[int, Query(ge=-1, le=2**62)] = -1,
 ) -> JSONResponse:
-    """A run's figures for a live page: new figures only when steps after `since` arrived."""
-    view = _view(db, settings, run_id)
-    if view is None:
+    """A run's figures for a live page: new figures only when steps after `since` arrived.
+
+    Whether any did is read first, cheaply (the run row and the rollups' newest step): an
+    open page of a quiet run asks every few seconds, and building the figures of a wide run
+    costs a read of its newest rank rows (the heatmap)."""
+    run = read.get_run(db=db, run_id=run_id, stalled_after_s=settings.stalled_after_s,
+                       recent_steps=1, ranks=False)  # fmt: skip
+    if run is None:
         return JSONResponse({"detail": f"run {run_id!r} not found"}, status_code=404)
-    status = view.run["status"]
-    changed = view.last_step > since
-    figures = run_figs.figures(view) if changed else {}
-    body = {
+    last_step = int(run["steps"]) - 1
+    status = run["status"]
+    body: dict[str, Any] = {
         "run_id": run_id,
         "status": status,
         "status_color": th.STATUS_COLORS.get(status, "#636e72"),
-        "last_step": view.last_step,
-        "changed": changed,
-        "summary": _summary(view),
-        "figures": html.figures_payload(figures),
-        "refine": _refine(view, run_id, figures),
+        "last_step": last_step,
+        "changed": False,
+        "summary": {"last-seen": _ago(run.get("last_event_at") or run.get("created_at"))},
+        "figures": {},
+        "refine": [],
     }
+    view = _view(db, settings, run_id) if last_step > since else None
+    if view is not None:
+        figures = run_figs.figures(view)
+        body.update(status=view.run["status"], last_step=view.last_step,
+                    changed=view.last_step > since, summary=_summary(view),
+                    figures=html.figures_payload(figures),
+                    refine=_refine(view, run_id, figures))  # fmt: skip
+        body["status_color"] = th.STATUS_COLORS.get(body["status"], "#636e72")
     return JSONResponse(json.loads(html.script_json(body)))
 
 

@@ -49,12 +49,21 @@ class Settings:
     #: waits for the others before its first rollup (reads are exact either way).
     rollup_interval_s: float = 0.5
     rollup_settle_s: float = 0.5
+    #: A step that not every rank has reached is rolled up once nobody wrote to it for
+    #: this long (a rank died or its agent is offline); one that all have, after the
+    #: settle time. Up to then reads compute it from its rows.
+    rollup_incomplete_s: float = 30.0
     #: Retention of per-rank rows: every step of the newest `retention_full_steps` steps,
     #: every `retention_every`-th before them (0 keeps every step). Rollups stay whole.
     retention_full_steps: int = 10_000
     retention_every: int = 10
     #: Outlier ranks per run that /metrics exposes with a `rank` label.
     metrics_top_k: int = 8
+    #: Ingest requests the server holds at once (admitted and not yet answered: reading,
+    #: parsing, waiting for the writer). One more gets 503 with Retry-After before its body
+    #: is read (server/admission.py), so agents replaying their spools all at once cannot
+    #: grow the writer's queue, or memory, without bound.
+    ingest_max_pending: int = 128
 
     def __post_init__(self) -> None:
         if not self.db_url:
@@ -62,14 +71,14 @@ class Settings:
         for name in ("stalled_after_s", "finished_grace_s", "forget_silent_after_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name}: must be > 0, got {getattr(self, name)}")
-        for name in ("rollup_interval_s", "rollup_settle_s"):
+        for name in ("rollup_interval_s", "rollup_settle_s", "rollup_incomplete_s"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name}: must be >= 0, got {getattr(self, name)}")
         for name in ("retention_full_steps", "metrics_top_k"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name}: must be >= 0, got {getattr(self, name)}")
         for name in ("max_batch_bytes", "trace_sample_every", "recent_steps", "max_trace_steps",
-                     "retention_every"):  # fmt: skip
+                     "retention_every", "ingest_max_pending"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.token == "":

@@ -14,28 +14,24 @@ field, before anything is written.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import (
-    JSON,
-    Boolean,
     Connection,
     Float,
-    Integer,
     bindparam,
     delete,
     func,
     select,
     update,
 )
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from zerowatch.server import models as m
+from zerowatch.server.bulk import TupleInsert
 from zerowatch.server.db import Database
 
 from zerowatch import events as ev
@@ -158,6 +154,13 @@ def create_run(db: Database, *, run: ev.RunCreate, now: float | None = None) -> 
         "last_event_at": None,
         "ended_at": None,
     }
+    # Every rank of a job creates its run (and again after an outage): an existing run is
+    # answered from a read, without waiting for the write lock behind ingest.
+    with db.read() as conn:
+        existing = conn.execute(select(m.runs.c.id).where(m.runs.c.run_id == run.run_id))
+        pk = existing.scalar()
+    if pk is not None:
+        return int(pk), False
     with db.write() as conn:
         stmt = (
             _insert(conn, m.runs)
@@ -235,42 +238,39 @@ def validate_batch(batch: ev.EventBatch, *, run_id: str, world_size: int) -> Non
                 raise BatchError((*loc, "collectives", j), "count, bytes and buckets must be >= 0")
 
 
-def _step_row(pk: int, e: ev.StepEvent) -> dict[str, Any]:
-    return {
-        "run": pk,
-        "rank": e.rank,
-        "seq": e.seq,
-        "step": e.step,
-        "time": e.time,
-        "step_time_s": e.step_time_s,
-        "exposed_comm_s": e.exposed_comm_s,
-        "grad_norm": e.grad_norm,
-        "clipped": e.clipped,
-        "loss": e.loss,
-        "loss_scale": e.loss_scale,
-        "skipped": e.skipped,
-        "nonfinite": e.nonfinite,
-        "lr": e.lr,
-        "samples": e.samples,
-        "tokens": e.tokens,
-        "samples_per_s": e.samples_per_s,
-        "tokens_per_s": e.tokens_per_s,
-        "mfu": e.mfu,
-        "phases": e.phases,
-        "parts": e.parts,
-        "hidden_comm_s": e.hidden_comm_s,
-        "offload": {
-            o.direction: {
-                "bytes": o.bytes,
-                "seconds": o.seconds,
-                "bandwidth": o.bandwidth_bytes_per_s
-                or (o.bytes / o.seconds if o.seconds > 0 else 0.0),
-            }
-            for o in e.offload
-        },
-        "memory": _as_dict(e.memory) if e.memory is not None else {},
-        "scalars": e.scalars,
+#: Column order of the rows the writer builds (store.ingest_many), one tuple per row.
+STEP_COLUMNS = (
+    "run", "rank", "seq", "step", "time", "step_time_s", "exposed_comm_s", "grad_norm",
+    "clipped", "loss", "loss_scale", "skipped", "nonfinite", "lr", "samples", "tokens",
+    "samples_per_s", "tokens_per_s", "mfu", "phases", "parts", "hidden_comm_s", "offload",
+    "memory", "scalars",
+)  # fmt: skip
+COLLECTIVE_COLUMNS = (
+    "run", "rank", "seq", "op", "purpose", "step", "count", "bytes", "latency_sum_s",
+    "latency_max_s", "buckets", "world_size", "algbw", "busbw", "async_count",
+)  # fmt: skip
+SPAN_COLUMNS = ("run", "rank", "seq", "step", "spans")
+RANK_COLUMNS = ("run", "rank", "steps", "last_step", "last_time", "dropped_events",
+                "agent_errors", "host", "local_rank")  # fmt: skip
+DIRTY_COLUMNS = ("run", "step", "version", "since")
+
+
+def _step_row(pk: int, e: ev.StepEvent) -> tuple[Any, ...]:
+    offload = {
+        o.direction: {
+            "bytes": o.bytes,
+            "seconds": o.seconds,
+            "bandwidth": o.bandwidth_bytes_per_s or (o.bytes / o.seconds if o.seconds > 0 else 0.0),
+        }
+        for o in e.offload
     }
+    memory = _as_dict(e.memory) if e.memory is not None else {}
+    return (
+        pk, e.rank, e.seq, e.step, e.time, e.step_time_s, e.exposed_comm_s, e.grad_norm,
+        e.clipped, e.loss, e.loss_scale, e.skipped, e.nonfinite, e.lr, e.samples, e.tokens,
+        e.samples_per_s, e.tokens_per_s, e.mfu, e.phases, e.parts, e.hidden_comm_s, offload,
+        memory, e.scalars,
+    )  # fmt: skip
 
 
 _FIELD_NAMES = {
@@ -284,7 +284,7 @@ def _as_dict(obj: ev.MemoryStats | ev.Span) -> dict[str, Any]:
     return {name: getattr(obj, name) for name in _FIELD_NAMES[type(obj)]}
 
 
-def _collective_rows(pk: int, e: ev.StepEvent) -> Iterable[dict[str, Any]]:
+def _collective_rows(pk: int, e: ev.StepEvent) -> Iterable[tuple[Any, ...]]:
     by_key: dict[tuple[str, str], list[ev.CollectiveStats]] = {}
     for c in e.collectives:
         by_key.setdefault((c.op, c.purpose), []).append(c)
@@ -301,30 +301,18 @@ def _collective_rows(pk: int, e: ev.StepEvent) -> Iterable[dict[str, Any]]:
                 buckets=[sum(b) for b in zip(*(x.buckets for x in cs), strict=True)],
                 async_count=sum(x.async_count for x in cs),
             )  # fmt: skip
-        algbw, busbw = c.algbw_bytes_per_s, c.busbw_bytes_per_s
-        yield {
-            "run": pk,
-            "rank": e.rank,
-            "seq": e.seq,
-            "op": op,
-            "purpose": purpose,
-            "step": e.step,
-            "count": c.count,
-            "bytes": c.bytes,
-            "latency_sum_s": c.latency_sum_s,
-            "latency_max_s": c.latency_max_s,
-            "buckets": list(c.buckets),
-            "world_size": c.world_size,
-            "algbw": algbw,
-            "busbw": busbw,
-            "async_count": c.async_count,
-        }
+        yield (
+            pk, e.rank, e.seq, op, purpose, e.step, c.count, c.bytes, c.latency_sum_s,
+            c.latency_max_s, c.buckets, c.world_size, c.algbw_bytes_per_s,
+            c.busbw_bytes_per_s, c.async_count,
+        )  # fmt: skip
 
 
 class _Statements:
     """The ingest statements of one dialect, built once (building them costs more than
     running them for a small batch). `insert(conn, name, rows)` runs the insert `name`
-    (steps, collectives, spans, ranks) over `rows` (dicts keyed by column)."""
+    (steps, collectives, spans, ranks, dirty) over `rows` (tuples in the order of that
+    table's *_COLUMNS) through bulk.TupleInsert."""
 
     def __init__(self, dialect: str) -> None:
         self.dialect = dialect
@@ -332,34 +320,53 @@ class _Statements:
         greatest = func.greatest if dialect == "postgresql" else func.max
         rs = m.rank_states
         up = ins(rs)
-        self._inserts: dict[str, Any] = {
-            "steps": ins(m.steps)
-            .on_conflict_do_nothing(index_elements=["run", "rank", "seq"])
-            .returning(m.steps.c.run, m.steps.c.rank, m.steps.c.seq),
-            "collectives": ins(m.collectives).on_conflict_do_nothing(
-                index_elements=["run", "rank", "seq", "op", "purpose"]
+        dirty = ins(m.dirty_steps)
+        statements: dict[str, tuple[Any, tuple[str, ...]]] = {
+            "steps": (
+                ins(m.steps)
+                .on_conflict_do_nothing(index_elements=["run", "rank", "seq"])
+                .returning(m.steps.c.run, m.steps.c.rank, m.steps.c.seq),
+                STEP_COLUMNS,
             ),
-            "spans": ins(m.spans).on_conflict_do_nothing(index_elements=["run", "rank", "seq"]),
-            "ranks": up.on_conflict_do_update(
-                index_elements=["run", "rank"],
-                set_={
-                    "steps": rs.c.steps + up.excluded.steps,
-                    "last_step": greatest(func.coalesce(rs.c.last_step, -1), up.excluded.last_step),
-                    "last_time": greatest(
-                        func.coalesce(rs.c.last_time, 0.0), up.excluded.last_time
-                    ),
-                    "host": func.coalesce(up.excluded.host, rs.c.host),
-                    "local_rank": func.coalesce(up.excluded.local_rank, rs.c.local_rank),
-                },
+            "collectives": (
+                ins(m.collectives).on_conflict_do_nothing(
+                    index_elements=["run", "rank", "seq", "op", "purpose"]
+                ),
+                COLLECTIVE_COLUMNS,
+            ),
+            "spans": (
+                ins(m.spans).on_conflict_do_nothing(index_elements=["run", "rank", "seq"]),
+                SPAN_COLUMNS,
+            ),
+            "ranks": (
+                up.on_conflict_do_update(
+                    index_elements=["run", "rank"],
+                    set_={
+                        "steps": rs.c.steps + up.excluded.steps,
+                        "last_step": greatest(
+                            func.coalesce(rs.c.last_step, -1), up.excluded.last_step
+                        ),
+                        "last_time": greatest(
+                            func.coalesce(rs.c.last_time, 0.0), up.excluded.last_time
+                        ),
+                        "host": func.coalesce(up.excluded.host, rs.c.host),
+                        "local_rank": func.coalesce(up.excluded.local_rank, rs.c.local_rank),
+                    },
+                ),
+                RANK_COLUMNS,
+            ),
+            "dirty": (
+                dirty.on_conflict_do_update(
+                    index_elements=["run", "step"],
+                    set_={"version": m.dirty_steps.c.version + 1, "since": dirty.excluded.since},
+                ),
+                DIRTY_COLUMNS,
             ),
         }
-        dirty = ins(m.dirty_steps)
-        self._inserts["dirty"] = dirty.on_conflict_do_update(
-            index_elements=["run", "step"],
-            set_={"version": m.dirty_steps.c.version + 1},
-        )
-        if dialect == "postgresql":
-            self._inserts = {k: _PgUnnest(v) for k, v in self._inserts.items()}
+        self._inserts = {
+            name: TupleInsert(stmt, columns, dialect)
+            for name, (stmt, columns) in statements.items()
+        }
         newest = bindparam("newest", type_=Float)
         self.touch = (
             update(m.runs)
@@ -367,67 +374,8 @@ class _Statements:
             .values(last_event_at=greatest(func.coalesce(m.runs.c.last_event_at, newest), newest))
         )
 
-    def insert(self, conn: Connection, name: str, rows: list[dict[str, Any]]) -> Any:
-        stmt = self._inserts[name]
-        if isinstance(stmt, _PgUnnest):
-            return stmt.execute(conn, rows)
-        return conn.execute(stmt, rows)
-
-
-class _PgUnnest:
-    """A PostgreSQL multi-row INSERT as `INSERT ... SELECT * FROM unnest(array, ...)`: one
-    array parameter per column, so the statement text is the same for any number of rows.
-    (SQLAlchemy's multi-row VALUES grows with the rows, and psycopg parses every such text
-    anew: that parse was half of the server's ingest time.)"""
-
-    def __init__(self, stmt: Any) -> None:
-        self.stmt = stmt
-        self._sql: dict[tuple[str, ...], tuple[str, dict[str, Any]]] = {}
-        # psycopg types an array by its elements and refuses a list that mixes int and float
-        # (or bool and int): each column's values are made its column's Python type first.
-        self._as: dict[str, Callable[[Any], Any]] = {}
-        for c in stmt.table.columns:
-            kind = c.type
-            self._as[c.name] = (
-                _json_text if isinstance(kind, JSON)
-                else float if isinstance(kind, Float)
-                else bool if isinstance(kind, Boolean)
-                else int if isinstance(kind, Integer)
-                else str
-            )  # fmt: skip
-
-    def _compile(self, columns: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
-        """The statement for rows with these keys, and the constants its clauses bind."""
-        dialect = postgresql.dialect()
-        table = self.stmt.table
-        arrays = ", ".join(
-            f"CAST(%({c})s AS {table.c[c].type.compile(dialect=dialect)}[])" for c in columns
-        )
-        head = f"INSERT INTO {table.name} ({', '.join(columns)}) SELECT * FROM unnest({arrays})"
-        # The ON CONFLICT and RETURNING clauses as SQLAlchemy writes them for this insert.
-        compiled = self.stmt.compile(dialect=dialect, column_keys=list(columns))
-        text = str(compiled)
-        constants = {k: v for k, v in compiled.params.items() if k not in columns}
-        return head + text[text.index(" ON CONFLICT") :], constants
-
-    def execute(self, conn: Connection, rows: list[dict[str, Any]]) -> Any:
-        columns = tuple(rows[0])
-        if columns not in self._sql:
-            self._sql[columns] = self._compile(columns)
-        sql, constants = self._sql[columns]
-        params: dict[str, Any] = {}
-        for c in columns:
-            to = self._as[c]
-            if to is _json_text:  # JSON: None is the JSON null, not SQL NULL
-                params[c] = [to(r[c]) for r in rows]
-            else:
-                params[c] = [None if r[c] is None else to(r[c]) for r in rows]
-        return conn.exec_driver_sql(sql, {**params, **constants})
-
-
-def _json_text(value: Any) -> str:
-    # As SQLAlchemy's JSON type stores it (None is the JSON null, not SQL NULL).
-    return json.dumps(value, separators=(",", ":"))
+    def insert(self, conn: Connection, name: str, rows: list[tuple[Any, ...]]) -> list[Any]:
+        return self._inserts[name].execute(conn, rows)
 
 
 _STATEMENTS: dict[str, _Statements] = {}
@@ -537,7 +485,7 @@ def ingest_many(
     new: list[tuple[int, ev.StepEvent]] = []
     if owners:
         rows = [_step_row(pk, e) for (pk, _, _), (_, e) in owners.items()]
-        stored = {(r.run, r.rank, r.seq) for r in st.insert(conn, "steps", rows)}
+        stored = {(r[0], r[1], r[2]) for r in st.insert(conn, "steps", rows)}
         for key, (res, e) in owners.items():
             if key in stored:
                 res.new_steps.append(e)
@@ -587,13 +535,7 @@ def _write_details(
     if coll_rows:
         st.insert(conn, "collectives", coll_rows)
     span_rows = [
-        {
-            "run": pk,
-            "rank": e.rank,
-            "seq": e.seq,
-            "step": e.step,
-            "spans": [_as_dict(s) for s in e.spans],
-        }
+        (pk, e.rank, e.seq, e.step, [_as_dict(s) for s in e.spans])
         for pk, e in new
         if e.spans and e.step % trace_sample_every == 0
     ]
@@ -617,17 +559,7 @@ def _bump_ranks(conn: Connection, st: _Statements, new: list[tuple[int, ev.StepE
     if not per_rank:
         return
     rows = [
-        {
-            "run": pk,
-            "rank": rank,
-            "steps": int(n),
-            "last_step": int(last),
-            "last_time": t,
-            "dropped_events": 0,
-            "agent_errors": 0,
-            "host": host,
-            "local_rank": local_rank,
-        }
+        (pk, rank, int(n), int(last), t, 0, 0, host, local_rank)
         for (pk, rank), (n, last, t, host, local_rank) in sorted(per_rank.items())
     ]
     st.insert(conn, "ranks", rows)
@@ -639,7 +571,7 @@ def _mark_dirty(
     """Mark the steps that got new rank rows: their rollups are stale (read/rollups.py)."""
     keys = sorted({(pk, e.step) for pk, e in new})
     if keys:
-        rows = [{"run": pk, "step": step, "version": 1, "since": now} for pk, step in keys]
+        rows = [(pk, step, 1, now) for pk, step in keys]
         st.insert(conn, "dirty", rows)
 
 

@@ -137,7 +137,12 @@ _FOLD_EVERY = 1024
 
 
 class CollectiveAggregator:
-    """Receives `CollectiveRecord`s (any thread); `take()` hands over one step's window."""
+    """Receives `CollectiveRecord`s (any thread); `take()` hands over one step's window.
+
+    `record` is one append to a list that lives as long as the aggregator (no lock: an
+    append is atomic, and folding takes the records it copied out and no others), so the
+    recorder may append to `pending` itself.
+    """
 
     def __init__(self, max_spans: int = 4096) -> None:
         self._lock = threading.Lock()
@@ -146,16 +151,26 @@ class CollectiveAggregator:
         self._max_spans = max_spans
         self.unknown_ops = 0
 
+    @property
+    def pending(self) -> list[Any]:
+        """The records not folded yet (append one, then call `fold_if_full`)."""
+        return self._pending
+
     def sample_next(self, on: bool) -> None:
         """Keep raw spans for the step now starting."""
         with self._lock:
             self._window.spans = [] if on else None
 
     def record(self, rec: Any) -> None:
-        with self._lock:
-            pending = self._pending
-            pending.append(rec)
-            if len(pending) >= _FOLD_EVERY:
+        pending = self._pending
+        pending.append(rec)
+        if len(pending) >= _FOLD_EVERY:
+            self.fold_if_full()
+
+    def fold_if_full(self) -> None:
+        """Fold the pending records once `_FOLD_EVERY` wait: a long step stays bounded."""
+        if len(self._pending) >= _FOLD_EVERY:
+            with self._lock:
                 self._fold()
 
     def take(self) -> CollectiveWindow:
@@ -166,8 +181,12 @@ class CollectiveAggregator:
 
     def _fold(self) -> None:
         """Add the pending records to the current window (the lock held)."""
-        records, self._pending = self._pending, []
+        pending = self._pending
+        records = pending[:]
+        del pending[: len(records)]  # (records appended meanwhile by another thread stay)
         w = self._window
+        aggs, intervals, buckets_of = w.aggs, w.intervals, ev.LATENCY_BUCKETS
+        spans = w.spans
         for rec in records:
             op, purpose = rec.op, rec.purpose
             if op not in _OPS:
@@ -176,18 +195,32 @@ class CollectiveAggregator:
             if purpose not in _PURPOSES:
                 purpose = "other"
             nbytes, async_op = int(rec.nbytes), bool(rec.async_op)
+            start, end = rec.start, rec.end
             if rec.cuda_events is not None:
                 w.pending_cuda.append(rec)
             else:
-                _add(w.aggs, op, purpose, nbytes, int(rec.world_size), rec.end - rec.start,
-                     async_op)  # fmt: skip
-                w.intervals.append((rec.start, rec.end))
+                agg = aggs.get((op, purpose))
+                if agg is None:
+                    agg = aggs[op, purpose] = _Agg(int(rec.world_size))
+                latency = end - start
+                if latency < 0.0:
+                    latency = 0.0
+                agg.count += 1
+                agg.nbytes += nbytes
+                agg.lat_sum += latency
+                if latency > agg.lat_max:
+                    agg.lat_max = latency
+                agg.buckets[bisect_left(buckets_of, latency)] += 1
+                if async_op:
+                    agg.async_count += 1
+                intervals.append((start, end))
             # On CUDA the exposed time is the compute stream's stall, read with the events.
-            exposed = 0.0 if rec.cuda_exposed is not None else rec.exposed_s
-            if exposed > 0.0:
-                w.exposed_s += float(exposed)
-            if w.spans is not None and len(w.spans) < self._max_spans:
-                w.spans.append((op, purpose, nbytes, async_op, rec.start, rec.end))
+            if rec.cuda_exposed is None:
+                exposed = rec.exposed_s
+                if exposed > 0.0:
+                    w.exposed_s += float(exposed)
+            if spans is not None and len(spans) < self._max_spans:
+                spans.append((op, purpose, nbytes, async_op, start, end))
 
 
 __all__ = ["CollectiveAggregator", "CollectiveWindow"]

@@ -16,15 +16,24 @@ step goes to the innermost phase running then (an offload copy before a gradient
 that before a parameter gather, that before forward / backward / optimizer step), and an
 instant in no phase to `other`. So `forward_compute` is the forward's self time, and the
 time the training thread spent blocked in a gather is `exposed_param_gather`, counted once.
+
+Bookkeeping is by index. Every phase name has an index (`PhaseCodes`); a boundary is logged
+as two items appended to one flat list that lives as long as the timer: its code (2·index
+for a start, 2·index + 1 for an end: a small int, which Python never allocates) and its
+clock mark (on the host, the float the engine passed). A callback therefore allocates
+nothing and touches the fewest objects, which is what it costs between the engine's
+kernels, which evict the CPU's caches. `take()` pairs the step's boundaries into intervals
+and lays out the edges of the outermost ones in the order they happened, so the exclusive
+parts are one pass over them (no sort) once their marks are known.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
-from zerowatch.agent.probes.clock import Clock
+from zerowatch.agent.probes.clock import Clock, HostClock
 
+from zerowatch import events as ev
 from zerowatch.events import STEP_PARTS as _PARTS
 
 #: Phases that partition the step (with `other`).
@@ -41,8 +50,63 @@ _PART_OF = {
     "offload_d2h": ("exposed_offload", 6),
     "offload_h2d": ("exposed_offload", 6),
 }
+#: Part names by priority (0: other).
 _BY_PRIORITY = ["other", *(part for part, _ in sorted(set(_PART_OF.values()), key=lambda x: x[1]))]
 _TOP_DOWN = range(len(_BY_PRIORITY) - 1, 0, -1)
+
+
+def _sweep(
+    edges: list[Any], step_s: float, seconds: Any, origin: float = 0.0
+) -> list[float] | None:
+    """Seconds per priority (index 0: other) of a step cut at `edges`.
+
+    Args:
+        edges: flat [mark, signed priority, ...] in the order they happened: +p opens an
+            interval of priority p, -p closes one, 0 is ignored.
+        step_s: the step's length; times are clipped to [0, step_s].
+        seconds: mark -> seconds from the step's start; None when the marks are host
+            times (seconds from `origin`).
+        origin: the step's start, where `seconds` is None.
+
+    Returns:
+        None when the times do not run forward (the caller sorts instead).
+    """
+    counts = [0] * len(_BY_PRIORITY)
+    out = [0.0] * len(_BY_PRIORITY)
+    mask = 0  # bit p set while an interval of priority p is open
+    prev = 0.0
+    for j in range(0, len(edges), 2):
+        p = edges[j + 1]
+        if not p:
+            continue
+        t = edges[j] - origin if seconds is None else seconds(edges[j])
+        if t > step_s:
+            t = step_s
+        elif t < 0.0:
+            t = 0.0
+        if t > prev:
+            out[mask.bit_length() - 1 if mask else 0] += t - prev
+            prev = t
+        elif t < prev:
+            return None
+        if p > 0:
+            counts[p] += 1
+            mask |= 1 << p
+        else:
+            counts[-p] -= 1
+            if counts[-p] <= 0:
+                counts[-p] = 0
+                mask &= ~(1 << -p)
+    if step_s > prev:
+        out[mask.bit_length() - 1 if mask else 0] += step_s - prev
+    return out
+
+
+def _as_parts(seconds_by_priority: list[float]) -> dict[str, float]:
+    out = dict.fromkeys(_PARTS, 0.0)
+    for prio, s in enumerate(seconds_by_priority):
+        out[_BY_PRIORITY[prio]] += s
+    return out
 
 
 def exclusive_parts(intervals: list[tuple[str, float, float]], step_s: float) -> dict[str, float]:
@@ -55,54 +119,104 @@ def exclusive_parts(intervals: list[tuple[str, float, float]], step_s: float) ->
 
     Returns:
         {part: seconds} for every part in STEP_PARTS (0.0 where absent); the values add up
-        to `step_s` and none is negative.
+        to `step_s` and none is negative. Whatever is open at the step's end owns the rest.
     """
-    # A sweep over the interval boundaries, keeping how many intervals of each priority
-    # are open; each elementary segment goes to the highest priority open (0: other).
-    edges: list[tuple[float, int, int]] = []
+    # A sweep over the interval boundaries, sorted (at one instant ends before starts).
+    sorted_edges: list[tuple[float, int]] = []
     for phase, t0, t1 in intervals:
         owner = _PART_OF.get(phase)
         if owner is None:
             continue
         a, b = max(t0, 0.0), min(t1, step_s)
         if b > a:
-            edges.append((a, 1, owner[1]))
-            edges.append((b, -1, owner[1]))
-    edges.sort()
-    out = dict.fromkeys(_PARTS, 0.0)
-    open_ = [0] * len(_BY_PRIORITY)
-    prev = 0.0
-    for t, delta, prio in edges:
-        if t > prev:
-            top = next((p for p in _TOP_DOWN if open_[p]), 0)
-            out[_BY_PRIORITY[top]] += t - prev
-            prev = t
-        open_[prio] += delta
-    if step_s > prev:
-        out["other"] += step_s - prev
-    return out
+            sorted_edges.append((a, owner[1]))
+            sorted_edges.append((b, -owner[1]))
+    sorted_edges.sort(key=lambda e: (e[0], e[1] > 0, abs(e[1])))
+    flat: list[Any] = [x for edge in sorted_edges for x in edge]
+    out = _sweep(flat, step_s, None)
+    assert out is not None  # sorted: the times run forward
+    return _as_parts(out)
 
 
-@dataclass
+class PhaseCodes:
+    """Phase names <-> indices, and the boundary codes a timer logs (2·i start, 2·i + 1
+    end). The engine's phases have fixed indices; any other name an adapter reports gets
+    the next one when first seen."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.start: dict[str, int] = {}
+        self.end: dict[str, int] = {}
+        #: Exclusive-part priority per index (0: the phase is no part).
+        self.priority: list[int] = []
+        for name in ev.PHASES:
+            self.add(name)
+        self.backward = self.start["backward"] >> 1
+        self.grad_reduce = self.start["grad_reduce"] >> 1
+
+    def add(self, name: str) -> int:
+        """The index of `name`, assigned now if it has none."""
+        code = self.start.get(name)
+        if code is not None:
+            return code >> 1
+        i = len(self.names)
+        self.names.append(name)
+        self.priority.append(_PART_OF.get(name, ("", 0))[1])
+        self.end[name] = 2 * i + 1
+        self.start[name] = 2 * i  # last: readers check `start` first
+        return i
+
+
 class PhaseWindow:
-    """The phase intervals of one step, resolved once their clock marks are ready."""
+    """The phase intervals of one step, resolved once their clock marks are ready.
 
-    clock: Clock
-    #: (phase, start mark, end mark, ran inside backward)
-    intervals: list[tuple[str, Any, Any, bool]] = field(default_factory=list)
+    Args:
+        clock: whose marks these are.
+        codes: the phase indices the intervals speak of.
+        intervals: flat [phase index, start mark, end mark, ran inside backward, ...], in
+            the order the intervals ended.
+        edges: flat [mark, signed priority, ...] of the outermost intervals, in the order
+            they happened (see `_sweep`).
+    """
+
+    def __init__(self, clock: Clock, codes: PhaseCodes | None = None,
+                 intervals: list[Any] | None = None, edges: list[Any] | None = None) -> None:  # fmt: skip
+        self.clock = clock
+        self.codes = codes if codes is not None else PhaseCodes()
+        self._iv: list[Any] = intervals if intervals is not None else []
+        self._edges: list[Any] = edges if edges is not None else []
+        #: Host marks are the times themselves: always ready, subtracted directly.
+        self._on_host = isinstance(clock, HostClock)
+
+    @property
+    def intervals(self) -> list[tuple[str, Any, Any, bool]]:
+        """(phase, start mark, end mark, ran inside backward), in the order they ended."""
+        names, iv = self.codes.names, self._iv
+        return [(names[iv[j]], iv[j + 1], iv[j + 2], iv[j + 3]) for j in range(0, len(iv), 4)]
 
     def ready(self) -> bool:
-        return all(self.clock.ready(end) for _, _, end, _ in self.intervals)
+        if self._on_host:
+            return True
+        ready, iv = self.clock.ready, self._iv
+        return all(ready(iv[j]) for j in range(2, len(iv), 4))
 
     def totals(self) -> dict[str, float]:
         """Seconds per phase, plus `backward_inner` when backward ran."""
-        out: dict[str, float] = {}
+        iv = self._iv
+        seconds = None if self._on_host else self.clock.seconds
+        sums = [0.0] * len(self.codes.names)
+        seen = [False] * len(sums)
         reduce_in_backward = 0.0
-        for phase, start, end, in_backward in self.intervals:
-            d = max(self.clock.seconds(start, end), 0.0)
-            out[phase] = out.get(phase, 0.0) + d
-            if phase == "grad_reduce" and in_backward:
-                reduce_in_backward += d
+        grad_reduce = self.codes.grad_reduce
+        for j in range(0, len(iv), 4):
+            i = iv[j]
+            d = iv[j + 2] - iv[j + 1] if seconds is None else seconds(iv[j + 1], iv[j + 2])
+            if d > 0.0:
+                sums[i] += d
+                if i == grad_reduce and iv[j + 3]:
+                    reduce_in_backward += d
+            seen[i] = True
+        out = {name: sums[i] for i, name in enumerate(self.codes.names) if seen[i]}
         if "backward" in out:
             out["backward_inner"] = max(out["backward"] - reduce_in_backward, 0.0)
         return out
@@ -110,11 +224,17 @@ class PhaseWindow:
     def parts(self, step_start: Any, step_s: float) -> dict[str, float]:
         """The step's exclusive parts (`exclusive_parts`), `step_start` its clock mark."""
         seconds = self.clock.seconds
-        return exclusive_parts(
-            [(phase, seconds(step_start, start), seconds(step_start, end))
-             for phase, start, end, _ in self.intervals],
-            step_s,
-        )  # fmt: skip
+        if self._on_host:
+            out = _sweep(self._edges, step_s, None, float(step_start))
+        else:
+            out = _sweep(self._edges, step_s, lambda mark: seconds(step_start, mark))
+        if out is None:  # marks out of order (another thread's boundaries): sort them
+            return exclusive_parts(
+                [(name, seconds(step_start, start), seconds(step_start, end))
+                 for name, start, end, _ in self.intervals],
+                step_s,
+            )  # fmt: skip
+        return _as_parts(out)
 
     def spans(self) -> list[tuple[str, float, float]]:
         """(phase, host start, host end) per interval, for the trace export."""
@@ -129,45 +249,79 @@ class PhaseTimer:
     """Collects phase boundaries on the training thread; `take()` hands over one step's
     intervals.
 
-    A boundary is only logged when it arrives (one append); `take()` pairs the step's
-    boundaries into intervals in one loop. Between the engine's kernels, which evict the
-    CPU's caches, that costs a fraction of pairing each boundary as it comes.
+    A boundary is two appends to `log` (its code and its clock mark); the recorder's
+    callbacks append to it directly (`push`, `codes`), `start` / `end` are the same by
+    name. `take()` pairs the step's boundaries into intervals in one loop.
     """
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
         self._mark = clock.mark
-        #: (phase, is a start, clock mark) per boundary, in order.
-        self._log: list[tuple[str, bool, Any]] = []
-        #: Start marks of the phases open at the end of the log, per phase.
-        self._open: dict[str, list[Any]] = {}
+        self.codes = PhaseCodes()
+        #: code, mark, code, mark, ... per boundary, in order; one list for the timer's life.
+        self.log: list[Any] = []
+        self.push = self.log.append
+        #: Start marks of the phases open at the end of the log, per phase index.
+        self._open: list[list[Any]] = [[] for _ in self.codes.names]
 
     def start(self, phase: str, t: float) -> None:
-        self._log.append((phase, True, self._mark(t)))
+        code = self.codes.start.get(phase)
+        if code is None:
+            code = 2 * self.codes.add(phase)
+        self.push(code)
+        self.push(self._mark(t))
 
     def end(self, phase: str, t: float) -> None:
-        self._log.append((phase, False, self._mark(t)))
+        code = self.codes.end.get(phase)
+        if code is None:
+            code = 2 * self.codes.add(phase) + 1
+        self.push(code)
+        self.push(self._mark(t))
 
     def take(self) -> PhaseWindow:
-        window = PhaseWindow(self.clock)
-        log, self._log = self._log, []
+        codes = self.codes
+        priority = codes.priority
         open_ = self._open
-        for phase, is_start, mark in log:
-            stack = open_.get(phase)
-            if is_start:
-                if stack is None:
-                    stack = open_[phase] = []
-                stack.append(mark)
+        while len(open_) < len(codes.names):  # names an adapter added since
+            open_.append([])
+        in_backward = open_[codes.backward]
+        intervals: list[Any] = []
+        edges: list[Any] = []
+        start_edge = [-1] * len(open_)  # where each open outer start sits in edges
+        # Phases still open from the last window enter at their outer start.
+        for i, stack in enumerate(open_):
+            if stack and priority[i]:
+                start_edge[i] = len(edges)
+                edges += (stack[0], priority[i])
+        log = self.log
+        n = len(log)
+        for j in range(0, n, 2):
+            code = log[j]
+            i = code >> 1
+            stack = open_[i]
+            if not code & 1:  # a start
+                if not stack and priority[i]:
+                    start_edge[i] = len(edges)
+                    edges += (log[j + 1], priority[i])
+                stack.append(log[j + 1])
             elif stack:  # (an end without a start, attached mid-phase: nothing to time)
                 start = stack.pop()
                 if not stack:  # (nested in the same phase: the outer interval counts)
-                    in_backward = bool(open_.get("backward"))
-                    window.intervals.append((phase, start, mark, in_backward))
-        return window
+                    intervals += (i, start, log[j + 1], bool(in_backward))
+                    if priority[i]:
+                        edges += (log[j + 1], -priority[i])
+                        start_edge[i] = -1
+        # Still open: timed in the window where they end, not here.
+        for i, pos in enumerate(start_edge):
+            if pos >= 0 and open_[i]:
+                edges[pos + 1] = 0
+        del log[:n]
+        return PhaseWindow(self.clock, codes, intervals, edges)
 
     def reset(self) -> None:
-        self._log = []
-        self._open.clear()
+        del self.log[:]
+        for stack in self._open:
+            stack.clear()
 
 
-__all__ = ["TOP_LEVEL", "PhaseTimer", "PhaseWindow", "exclusive_parts"]
+__all__ = ["TOP_LEVEL", "PhaseCodes", "PhaseTimer", "PhaseWindow", "exclusive_parts"]

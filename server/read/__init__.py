@@ -10,7 +10,7 @@ plain data ready for JSON. The package exports the names that do not shadow its 
 """
 
 from zerowatch.server.read.rollups import Compactor, Retention
-from zerowatch.server.read.runs import get_run, hosts_of, list_runs, ranks_of
+from zerowatch.server.read.runs import get_run, hosts_of, list_runs, ranks_of, run_record
 from zerowatch.server.read.series import (
     BadSelection,
     Selection,
@@ -33,5 +33,6 @@ __all__ = [
     "metrics_catalog",
     "rank_heatmap",
     "ranks_of",
+    "run_record",
     "step_breakdown",
 ]

@@ -13,7 +13,7 @@ from zerowatch.server import models as m
 from zerowatch.server.read import rollups, series
 from zerowatch.server.read.doctor_settings import DoctorSettings
 from zerowatch.server.read.rollups import Stats
-from zerowatch.server.read.vocabulary import rank_values
+from zerowatch.server.read.vocabulary import rank_values_of
 
 #: Performance metrics read over the window: these names, and every name under a prefix.
 PERF_NAMES = ("step_time_s", "busy_s", "exposed_comm_s", "hidden_comm_s")
@@ -106,7 +106,8 @@ def _rank_values(conn: Connection, pk: int, rank: int, lo: int, hi: int) -> dict
         .where(s.run == pk, s.rank == rank, s.step >= lo, s.step <= hi)
         .order_by(s.seq)
     ).all()
-    return {int(r.step): rank_values(r._mapping, ()) for r in rows}
+    values = rank_values_of([r._mapping for r in rows], [() for _ in rows])
+    return {int(r.step): v for r, v in zip(rows, values, strict=True)}
 
 
 def gather(

@@ -11,8 +11,11 @@ How the rollups stay exact:
 
 1. Ingest writes the per-rank rows and, in the same transaction, bumps a version on the
    step's `dirty_steps` mark (store.py).
-2. The `Compactor` thread takes marks that have settled (`settle_s` since the first mark,
-   so a step's ranks have mostly arrived), reads the step's rows, computes the rollups, and
+2. The `Compactor` thread takes marks that have settled (no rank wrote to the step for
+   `settle_s`) of steps that every rank has reached (or that nobody wrote to for
+   `incomplete_s`: a rank died): a step that is still arriving would be rolled up again
+   and again, at the cost of all its rows each time. It reads the step's rows,
+   computes the rollups, and
    in one short transaction replaces the step's rollup rows, applies the change to the
    run's totals, and clears the marks whose version it read. A rank that arrived meanwhile
    bumped the version: its mark stays and the step is rolled up again, late ranks included.
@@ -43,10 +46,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import orjson
 from sqlalchemy import Connection, and_, delete, func, select, text, tuple_
 from zerowatch.server import models as m
 from zerowatch.server.db import Database
-from zerowatch.server.read.vocabulary import rank_values
+from zerowatch.server.read.vocabulary import rank_table
 
 from zerowatch import events as ev
 
@@ -139,58 +144,121 @@ _COLL_COLS = ("rank", "seq", "op", "count", "bytes", "latency_sum_s", "latency_m
               "buckets")  # fmt: skip
 
 
+def _stats_of(values: np.ndarray, ranks: np.ndarray, *, ends: bool, k: int = TOP_K) -> Stats | None:
+    """`summarize` over one step's column of a metric: `values[i]` is rank `ranks[i]`'s
+    (NaN where the rank has none), ranks ascending. None when no rank has a value.
+
+    The same figures as `summarize`, computed with numpy: one sort by (value, rank), the
+    quantiles by the same interpolation, the mean by math.fsum."""
+    have = ~np.isnan(values)
+    if not have.all():
+        values, ranks = values[have], ranks[have]
+    n = len(values)
+    if n == 0:
+        return None
+    order = np.lexsort((ranks, values))
+    vals, rks = values[order], ranks[order]
+    ordered = vals.tolist()
+    top = ordered[-1]
+    st = Stats(
+        n=n,
+        min=ordered[0],
+        p10=quantile(ordered, 0.1),
+        p50=quantile(ordered, 0.5),
+        p90=quantile(ordered, 0.9),
+        max=top,
+        mean=math.fsum(ordered) / n,
+        min_rank=int(rks[0]),
+        max_rank=int(rks[int(np.searchsorted(vals, top, side="left"))]),
+    )
+    if ends and n > 1:
+        tail_v, tail_r = vals[-k:], rks[-k:]
+        hi = np.lexsort((tail_r, -tail_v))
+        st.extra = {
+            "hi": [[r, v] for r, v in zip(tail_r[hi].tolist(), tail_v[hi].tolist(), strict=True)],
+            "lo": [[r, v] for r, v in zip(rks[:k].tolist(), ordered[:k], strict=True)],
+        }
+    return st
+
+
+def _json(value: Any) -> Any:
+    """A JSON column as the driver gave it: text (SQLite) or already decoded (psycopg)."""
+    if isinstance(value, (str, bytes)):  # a tuple: no union type built per call
+        return orjson.loads(value)
+    return value
+
+
 def compute(conn: Connection, pk: int, steps: Iterable[int]) -> dict[int, dict[str, Stats]]:
     """The rollups of `steps` of run `pk`, from its per-rank rows (steps without rows are
     absent). A rank with several rows for one step (a restart that replayed step numbers)
-    counts once, with its newest."""
+    counts once, with its newest.
+
+    Rows are read as the driver returns them (no per-value result processing), each
+    step's metrics come from `vocabulary.rank_table` (a column over its ranks for each
+    metric), and each column is summarised with numpy (`_stats_of`)."""
     wanted = sorted(set(steps))
     out: dict[int, dict[str, Stats]] = {}
     s, c = m.steps.c, m.collectives.c
+    json_cols = {"phases", "parts", "offload", "memory", "scalars"}
     for i in range(0, len(wanted), _CHUNK):
         chunk = wanted[i : i + _CHUNK]
-        rows = conn.execute(
-            select(*(s[n] for n in STEP_COLS)).where(s.run == pk, s.step.in_(chunk))
-        ).all()
-        newest: dict[tuple[int, int], Any] = {}
-        for r in rows:
-            key = (r.step, r.rank)
-            if key not in newest or r.seq > newest[key].seq:
+        query = select(*(s[n] for n in STEP_COLS)).where(s.run == pk, s.step.in_(chunk))
+        newest: dict[tuple[int, int], dict[str, Any]] = {}
+        for raw in _raw_rows(conn, query):
+            r = dict(zip(STEP_COLS, raw, strict=True))
+            key = (r["step"], r["rank"])
+            if key not in newest or r["seq"] > newest[key]["seq"]:
                 newest[key] = r
-        colls: dict[tuple[int, int], list[Any]] = defaultdict(list)
-        for cr in conn.execute(
-            select(*(c[n] for n in _COLL_COLS)).where(
-                c.run == pk, c.op.in_(ev.COLLECTIVE_OPS), c.step.in_(chunk)
-            )
-        ).all():
-            colls[(cr.rank, cr.seq)].append(cr._mapping)
-        per_step: dict[int, dict[str, list[tuple[float, int]]]] = defaultdict(
-            lambda: defaultdict(list)
+        colls: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
+        query = select(*(c[n] for n in _COLL_COLS)).where(
+            c.run == pk, c.op.in_(ev.COLLECTIVE_OPS), c.step.in_(chunk)
         )
-        hists: dict[int, dict[str, list[float]]] = defaultdict(dict)
-        for (step, rank), r in newest.items():
-            cs = colls.get((rank, r.seq), ())
-            values = per_step[step]
-            for name, v in rank_values(r._mapping, cs).items():
-                values[name].append((v, rank))
+        for raw in _raw_rows(conn, query):
+            cr = dict(zip(_COLL_COLS, raw, strict=True))
+            colls[(cr["rank"], cr["seq"])].append(cr)
+        per_step: dict[int, list[tuple[int, dict[str, Any], Any]]] = defaultdict(list)
+        # Per step and op: the ranks' histogram buckets and latency sums, added up below.
+        hists: dict[int, dict[str, tuple[list[Any], list[float]]]] = defaultdict(dict)
+        for (step, rank), r in sorted(newest.items()):
+            for col in json_cols:
+                r[col] = _json(r[col])
+            cs = colls.get((rank, r["seq"]), ())
+            per_step[step].append((rank, r, cs))
             for cr in cs:
-                h = hists[step].get(cr.op)
+                h = hists[step].get(cr["op"])
                 if h is None:
-                    h = hists[step][cr.op] = [0.0] * (N_BUCKETS + 1)
-                for j, n in enumerate(cr.buckets[:N_BUCKETS]):
-                    h[j] += n
-                h[N_BUCKETS] += cr.latency_sum_s
-        for step, values in per_step.items():
-            stats = {
-                name: summarize(pairs, ends=name in OUTLIER_METRICS)
-                for name, pairs in values.items()
-            }
-            for op, h in hists[step].items():
+                    h = hists[step][cr["op"]] = ([], [])
+                h[0].append(_json(cr["buckets"])[:N_BUCKETS])
+                h[1].append(cr["latency_sum_s"])
+        for step, rows in per_step.items():
+            ranks = np.array([rank for rank, _, _ in rows], dtype=np.int64)
+            table = rank_table([r for _, r, _ in rows], [cs for _, _, cs in rows])
+            stats: dict[str, Stats] = {}
+            for name, column in table.items():
+                st = _stats_of(column, ranks, ends=name in OUTLIER_METRICS)
+                if st is not None:
+                    stats[name] = st
+            for op, (buckets, sums) in hists[step].items():
                 lat = stats.get(f"collective.{op}.latency_s")
                 if lat is not None:
-                    lat.extra["hist"] = [int(x) for x in h[:N_BUCKETS]]
-                    lat.extra["sum"] = h[N_BUCKETS]
+                    counts = np.zeros(N_BUCKETS, dtype=np.int64)
+                    for b in buckets:  # a short list (an old row) counts what it has
+                        counts[: len(b)] += b
+                    lat.extra["hist"] = counts.tolist()
+                    lat.extra["sum"] = math.fsum(sums)
             out[step] = stats
     return out
+
+
+def _raw_rows(conn: Connection, query: Any) -> list[tuple[Any, ...]]:
+    """The rows of a Core select as the DBAPI returns them (JSON columns as text on SQLite),
+    without SQLAlchemy's per-value result processing."""
+    compiled = query.compile(dialect=conn.dialect, compile_kwargs={"render_postcompile": True})
+    if compiled.positiontup is not None:  # qmark (SQLite)
+        params: Any = tuple(compiled.params[k] for k in compiled.positiontup)
+    else:
+        params = compiled.params
+    return list(conn.exec_driver_sql(str(compiled), params).fetchall())
 
 
 # -- reading ----------------------------------------------------------------------------------
@@ -359,6 +427,7 @@ class Compactor:
         *,
         interval_s: float = 0.5,
         settle_s: float = 0.5,
+        incomplete_s: float = 30.0,
         max_steps: int = 256,
         retention: Retention | None = None,
         retention_interval_s: float = 30.0,
@@ -366,6 +435,7 @@ class Compactor:
         self.db = db
         self.interval_s = interval_s
         self.settle_s = settle_s
+        self.incomplete_s = max(incomplete_s, settle_s)
         self.max_steps = max_steps
         self.retention = retention or Retention()
         self.retention_interval_s = retention_interval_s
@@ -424,8 +494,10 @@ class Compactor:
                 runs = [pk for pk in runs if claimed(pk)]
                 if not runs:
                     return 0
-                q = select(d.run, d.step, d.version).where(d.run.in_(runs), *ready)
+                q = select(d.run, d.step, d.version, d.since).where(d.run.in_(runs), *ready)
                 marks = conn.execute(q.order_by(d.run, d.step).limit(self.max_steps)).all()
+                if settle:
+                    marks = self._complete_or_old(conn, marks, now)
                 if not marks:
                     return 0
                 by_run: dict[int, list[tuple[int, int]]] = defaultdict(list)
@@ -444,6 +516,39 @@ class Compactor:
                 self._write(pk, items, computed[pk], horizons[pk])
             self.compacted += len(marks)
             return len(marks)
+
+    def _complete_or_old(self, conn: Connection, marks: list[Any], now: float) -> list[Any]:
+        """The settled marks worth rolling up now: steps that every rank of the run has
+        reached, and steps nobody wrote to for `incomplete_s` (a rank that died, or one
+        whose agent is offline). A step whose last ranks are still on their way would be
+        rolled up now and again when they arrive: a step's ranks reach a busy server over
+        one flush interval of the agents (16 s at 4,096 ranks), and a pause of the server
+        longer than `settle_s` in between is no sign that they are all in."""
+        s = m.steps.c
+        by_run: dict[int, list[Any]] = defaultdict(list)
+        for mk in marks:
+            by_run[int(mk.run)].append(mk)
+        sizes: dict[int, int] = dict(
+            conn.execute(
+                select(m.runs.c.id, m.runs.c.world_size).where(m.runs.c.id.in_(list(by_run)))
+            ).all()
+        )
+        old = now - self.incomplete_s
+        keep = []
+        for pk, items in by_run.items():
+            young = [int(mk.step) for mk in items if mk.since > old]
+            counts: dict[int, int] = {}
+            for i in range(0, len(young), _CHUNK):
+                counts.update(
+                    conn.execute(
+                        select(s.step, func.count())
+                        .where(s.run == pk, s.step.in_(young[i : i + _CHUNK]))
+                        .group_by(s.step)
+                    ).all()
+                )
+            world = int(sizes.get(pk) or 0)
+            keep += [mk for mk in items if mk.since <= old or counts.get(int(mk.step), 0) >= world]
+        return keep
 
     @contextlib.contextmanager
     def _claim(self) -> Iterator[Callable[[int], bool]]:

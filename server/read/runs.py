@@ -195,14 +195,28 @@ def run_pk(conn: Connection, run_id: str) -> int | None:
 
 
 def full_run(
-    conn: Connection, row: Any, *, now: float, stalled_after_s: float, recent_steps: int
+    conn: Connection,
+    row: Any,
+    *,
+    now: float,
+    stalled_after_s: float,
+    recent_steps: int,
+    ranks: bool = True,
 ) -> dict[str, Any]:
-    """The run resource of one runs-table row (see the module docstring)."""
+    """The run resource of one runs-table row (see the module docstring).
+
+    `ranks=False` leaves out `rank_summary` and `ranks`, which read every rank's state (a
+    4,096-rank run's 4,096 rows), for the pages that show neither; `steps` is then the
+    newest step + 1, from the rollups' index."""
     run = run_dict(row, now=now, stalled_after_s=stalled_after_s)
-    summary = rank_summary(conn, row.id)
-    run["rank_summary"] = summary
-    run["ranks"] = _inline_ranks(conn, row.id, row.world_size, summary["last_step"])
-    run["steps"] = summary["steps"]
+    if ranks:
+        summary = rank_summary(conn, row.id)
+        run["rank_summary"] = summary
+        run["ranks"] = _inline_ranks(conn, row.id, row.world_size, summary["last_step"])
+        run["steps"] = summary["steps"]
+    else:
+        bounds = rollups.step_bounds(conn, row.id)
+        run["steps"] = bounds[1] + 1 if bounds is not None else 0
     rec = recent(conn, row.id, recent_steps=recent_steps)
     run["recent"] = rec
     run["step_time_s"] = rec["step_time_s"]
@@ -220,8 +234,10 @@ def list_runs(
     stalled_after_s: float = 120.0,
     recent_steps: int = 20,
     now: float | None = None,
+    ranks: bool = True,
 ) -> list[dict[str, Any]]:
-    """Runs, newest first, filtered by project, status (incl. "stalled") and tag."""
+    """Runs, newest first, filtered by project, status (incl. "stalled") and tag
+    (`ranks=False`: without the rank summaries, see `full_run`)."""
     now = time.time() if now is None else now
     r = m.runs
     q = select(r).order_by(r.c.created_at.desc(), r.c.id.desc()).limit(limit)
@@ -241,7 +257,7 @@ def list_runs(
     with db.read() as conn:
         return [
             full_run(conn, row, now=now, stalled_after_s=stalled_after_s,
-                     recent_steps=recent_steps)
+                     recent_steps=recent_steps, ranks=ranks)
             for row in conn.execute(q).all()
         ]  # fmt: skip
 
@@ -253,15 +269,29 @@ def get_run(
     stalled_after_s: float = 120.0,
     recent_steps: int = 20,
     now: float | None = None,
+    ranks: bool = True,
 ) -> dict[str, Any] | None:
-    """One run dict (see the module docstring), or None if unknown."""
+    """One run dict (see the module docstring), or None if unknown (`ranks=False`: without
+    its rank summary, see `full_run`)."""
     now = time.time() if now is None else now
     with db.read() as conn:
         row = conn.execute(select(m.runs).where(m.runs.c.run_id == run_id)).first()
         if row is None:
             return None
         return full_run(conn, row, now=now, stalled_after_s=stalled_after_s,
-                        recent_steps=recent_steps)  # fmt: skip
+                        recent_steps=recent_steps, ranks=ranks)  # fmt: skip
+
+
+def run_record(
+    *, db: Database, run_id: str, stalled_after_s: float = 120.0, now: float | None = None
+) -> dict[str, Any] | None:
+    """The run's own record (what was created, and its status), without the rank summary
+    and recent performance of `get_run`: what POST /runs answers. It costs the same at any
+    world size, which matters when every rank of a large job creates its run at once."""
+    now = time.time() if now is None else now
+    with db.read() as conn:
+        row = conn.execute(select(m.runs).where(m.runs.c.run_id == run_id)).first()
+        return None if row is None else run_dict(row, now=now, stalled_after_s=stalled_after_s)
 
 
 def live_rows(conn: Connection, *, now: float, grace_s: float, forget_after_s: float) -> list[Any]:

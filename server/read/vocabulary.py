@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from sqlalchemy import Float, cast, func
 from zerowatch.server import models as m
 
@@ -184,60 +185,163 @@ def _num(v: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
+#: (prefix, key) -> the metric name, or "" for a key the vocabulary refuses: a rank-step
+#: holds some 50 keyed values and a run a few dozen distinct keys, so each key is checked
+#: and named once, not once per rank-step (bounded: user scalars could be many).
+_NAMES: dict[tuple[str, str], str] = {}
+_MAX_NAMES = 100_000
+_NUMBERS = frozenset({float, int, type(None)})
+
+
+def _name(prefix: str, key: str) -> str:
+    name = _NAMES.get((prefix, key))
+    if name is None:
+        name = f"{prefix}.{key}" if KEY_RE.fullmatch(key) else ""
+        if len(_NAMES) < _MAX_NAMES:
+            _NAMES[(prefix, key)] = name
+    return name
+
+
+def _floats(values: list[Any]) -> np.ndarray:
+    """`values` as float64, NaN where `_num` has no value (None, bools, text, non-finite)."""
+    if set(map(type, values)) <= _NUMBERS:
+        try:
+            a = np.array(values, dtype=float)
+        except OverflowError:  # an integer beyond a float
+            a = np.array([_num(v) for v in values], dtype=float)
+    else:
+        a = np.array([_num(v) for v in values], dtype=float)
+    bad = ~np.isfinite(a)
+    if bad.any():
+        a[bad] = np.nan
+    return a
+
+
+class _Table:
+    """Metric columns over n rank-steps, NaN where a rank-step has no value."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.cols: dict[str, np.ndarray] = {}
+
+    def col(self, name: str) -> np.ndarray:
+        c = self.cols.get(name)
+        if c is None:
+            c = self.cols[name] = np.full(self.n, np.nan)
+        return c
+
+    def keyed(self, prefix: str, dicts: list[Any]) -> list[str]:
+        """prefix.key columns from one {key: number} per rank-step (None or {} for none);
+        returns the names written. Rank-steps whose dicts have the same keys in the same
+        order (the usual case) are converted together."""
+        shapes: dict[tuple[str, ...], list[int]] = {}
+        for i, d in enumerate(dicts):
+            if d:
+                shapes.setdefault(tuple(d), []).append(i)
+        written: dict[str, None] = {}
+        for keys, rows in shapes.items():
+            names = [_name(prefix, k) for k in keys]
+            flat = _floats([v for i in rows for v in dicts[i].values()])
+            block = flat.reshape(len(rows), len(keys))
+            idx = np.array(rows)
+            for j, name in enumerate(names):
+                if name:
+                    self.col(name)[idx] = block[:, j]
+                    written[name] = None
+        return list(written)
+
+
+def rank_table(
+    rows: Sequence[Mapping[str, Any]], colls: Sequence[Iterable[Mapping[str, Any]]]
+) -> dict[str, np.ndarray]:
+    """Every metric of several rank-steps at once: {metric: float64 array}, one entry per
+    rank-step, NaN where it has no finite value. `rows[i]` is a steps row (a mapping by
+    column name, JSON columns decoded), `colls[i]` its collectives rows.
+
+    The one definition of a rank-step's metrics (`rank_values` is this for one row). The
+    compactor calls it with a step's thousands of rows: each column is converted to an
+    array once, and the keyed maps (phases, parts, memory) of rank-steps with the same keys
+    in one block, instead of one Python operation per value."""
+    n = len(rows)
+    t = _Table(n)
+    for name in _PLAIN:
+        t.cols[name] = _floats([r[name] for r in rows])
+    step = np.array([float(r["step_time_s"]) for r in rows])
+    exposed = np.array([float(r["exposed_comm_s"]) for r in rows])
+    t.cols["busy_s"] = _floats((step - exposed).tolist())
+    for flag in ("skipped", "nonfinite", "clipped"):
+        t.cols[flag] = np.array([1.0 if r[flag] else 0.0 for r in rows])
+    for prefix, name in (("phase", "phases"), ("part", "parts"), ("scalars", "scalars")):
+        t.keyed(prefix, [r[name] for r in rows])
+    for i, r in enumerate(rows):
+        for d, vals in (r["offload"] or {}).items():
+            for fld, v in vals.items():
+                f = _num(v)
+                if f is not None and fld in OFFLOAD_FIELDS:
+                    t.col(f"offload.{d}.{fld}")[i] = f
+    mems = [r["memory"] or {} for r in rows]
+    if any(mems):
+        for short, long in MEMORY_SCALARS.items():
+            a = _floats([m.get(long) for m in mems])
+            a[a == 0.0] = np.nan  # a zero reading is no reading
+            t.cols[f"memory.{short}"] = a
+        for short, long in _NESTED_MEMORY.items():
+            names = t.keyed(f"memory.{short}", [m.get(long) for m in mems])
+            if names and short == "peak":
+                t.cols["memory.peak"] = np.fmax.reduce([t.cols[x] for x in names])
+            if names and short == "state":
+                block = np.array([t.cols[x] for x in names])
+                have = (~np.isnan(block)).any(axis=0)
+                total = np.nansum(block, axis=0)
+                total[~have] = np.nan
+                t.cols["memory.state"] = total
+    by_op: dict[str, tuple[list[int], list[Mapping[str, Any]]]] = {}
+    for i, cs in enumerate(colls):
+        for c in cs:
+            idx, recs = by_op.setdefault(c["op"], ([], []))
+            idx.append(i)
+            recs.append(c)
+    for op, (idx, recs) in by_op.items():
+        lat_each = np.array([float(c["latency_sum_s"]) for c in recs])
+        lat = np.bincount(idx, weights=lat_each, minlength=n)
+        count = np.bincount(idx, weights=[float(c["count"]) for c in recs], minlength=n)
+        nbytes = np.bincount(idx, weights=[float(c["bytes"]) for c in recs], minlength=n)
+        busbw_lat = np.bincount(
+            idx, weights=np.array([float(c["busbw"]) for c in recs]) * lat_each, minlength=n
+        )
+        lat_max = np.zeros(n)
+        np.maximum.at(lat_max, idx, [float(c["latency_max_s"]) for c in recs])
+        has = np.bincount(idx, minlength=n) > 0
+        p = f"collective.{op}."
+        with np.errstate(divide="ignore", invalid="ignore"):
+            for name, value, ok in (
+                ("bytes", nbytes, has),
+                ("count", count, has),
+                ("latency_max_s", lat_max, has),
+                ("latency_s", lat / count, has & (count > 0)),
+                ("algbw", nbytes / lat, has & (lat > 0)),
+                ("busbw", busbw_lat / lat, has & (lat > 0)),
+            ):
+                t.cols[p + name] = np.where(ok, value, np.nan)
+    return {name: c for name, c in t.cols.items() if not np.isnan(c).all()}
+
+
 def rank_values(row: Mapping[str, Any], colls: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     """Every metric of one rank-step: `row` is its steps row (a mapping by column name),
     `colls` its collectives rows. Metrics without a finite value are left out."""
-    out: dict[str, float] = {}
-    for name in _PLAIN:
-        v = _num(row[name])
-        if v is not None:
-            out[name] = v
-    out["busy_s"] = float(row["step_time_s"]) - float(row["exposed_comm_s"])
-    for flag in ("skipped", "nonfinite", "clipped"):
-        out[flag] = 1.0 if row[flag] else 0.0
-    for prefix, col in (("phase", "phases"), ("part", "parts"), ("scalars", "scalars")):
-        for k, v in (row[col] or {}).items():
-            f = _num(v)
-            if f is not None and KEY_RE.fullmatch(k):
-                out[f"{prefix}.{k}"] = f
-    for d, vals in (row["offload"] or {}).items():
-        for fld, v in vals.items():
-            f = _num(v)
-            if f is not None and fld in OFFLOAD_FIELDS:
-                out[f"offload.{d}.{fld}"] = f
-    mem = row["memory"] or {}
-    if mem:
-        for short, long in MEMORY_SCALARS.items():
-            f = _num(mem.get(long))
-            if f:
-                out[f"memory.{short}"] = f
-        for short, long in _NESTED_MEMORY.items():
-            vals = {k: _num(v) for k, v in (mem.get(long) or {}).items() if KEY_RE.fullmatch(k)}
-            vals = {k: v for k, v in vals.items() if v is not None}
-            for k, v in vals.items():
-                out[f"memory.{short}.{k}"] = v  # type: ignore[assignment]
-            if vals and short == "peak":
-                out["memory.peak"] = max(vals.values())  # type: ignore[type-var]
-            if vals and short == "state":
-                out["memory.state"] = sum(vals.values())  # type: ignore[arg-type]
-    per_op: dict[str, list[float]] = {}
-    for c in colls:
-        acc = per_op.setdefault(c["op"], [0.0, 0.0, 0.0, 0.0, 0.0])
-        acc[0] += c["latency_sum_s"]
-        acc[1] += c["count"]
-        acc[2] += c["bytes"]
-        acc[3] += c["busbw"] * c["latency_sum_s"]
-        acc[4] = max(acc[4], c["latency_max_s"])
-    for op, (lat, count, nbytes, busbw_lat, lat_max) in per_op.items():
-        p = f"collective.{op}."
-        out[p + "bytes"] = nbytes
-        out[p + "count"] = count
-        out[p + "latency_max_s"] = lat_max
-        if count > 0:
-            out[p + "latency_s"] = lat / count
-        if lat > 0:
-            out[p + "algbw"] = nbytes / lat
-            out[p + "busbw"] = busbw_lat / lat
+    return rank_values_of([row], [list(colls)])[0]
+
+
+def rank_values_of(
+    rows: Sequence[Mapping[str, Any]], colls: Sequence[Iterable[Mapping[str, Any]]]
+) -> list[dict[str, float]]:
+    """`rank_values` of several rank-steps (one `rank_table`)."""
+    table = rank_table(rows, colls)
+    out: list[dict[str, float]] = [{} for _ in rows]
+    for name, col in table.items():
+        for i, v in enumerate(col.tolist()):
+            if v == v:  # not NaN
+                out[i][name] = v
     return out
 
 
@@ -253,6 +357,8 @@ __all__ = [
     "collective_expr",
     "collective_parts",
     "metric_unit",
+    "rank_table",
     "rank_values",
+    "rank_values_of",
     "step_expr",
 ]

@@ -19,6 +19,14 @@ from support.screenshots import SCREENSHOTS, TAKEN, XSS_NAME
 from zerowatch import simulate as sim
 
 
+@pytest.fixture(autouse=True)
+def _plotly_checks_every_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Figures built in these tests have plotly check every property (pages skip that)."""
+    from zerowatch.dashboards import theme
+
+    monkeypatch.setattr(theme, "VALIDATE", True)
+
+
 def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
     if TAKEN:
         terminalreporter.write_line(f"dashboards: {len(TAKEN)} screenshots in {SCREENSHOTS}")

@@ -59,7 +59,22 @@ def test_run_view_matches_the_ingested_events(stored):
     e1 = next(e for e in at5 if e.rank == 1)  # the straggler, by busy time
     assert view.heat.z[1][5] == pytest.approx(e1.step_time_s - e1.exposed_comm_s)
     assert view.straggler is not None and view.straggler.rank == 1
-    assert set(view.peaks) == {0, 1, 2, 3}
+    # Memory at the newest step: every rank's peak (its highest phase peak), sorted.
+    at29 = {e.rank: e for e in events if e.step == 29}
+    peaks = sorted((max(e.memory.peak_by_phase.values()), e.rank) for e in at29.values())
+    dist = view.memory_peak
+    assert dist is not None and dist.step == 29 and dist.n == 4 and dist.every_rank
+    assert list(dist.ranks) == [r for _, r in peaks]
+    assert list(dist.values) == pytest.approx([v for v, _ in peaks])
+    assert list(dist.positions) == [0, 1, 2, 3]
+    fwd = sorted(e.memory.peak_by_phase["forward"] for e in at29.values())
+    assert (view.memory_phases["forward"].min, view.memory_phases["forward"].max) == (
+        pytest.approx(fwd[0]), pytest.approx(fwd[-1]))  # fmt: skip
+    assert view.memory_state["params"] == pytest.approx(
+        statistics.median(e.memory.model_state["params"] for e in at29.values())
+    )
+    assert view.capacity_bytes == max(e.memory.capacity_bytes for e in at29.values())
+    assert view.peak_bytes == pytest.approx(peaks[-1][0])
     assert view.theory == {k: float(v) for k, v in rc.theory.items()}
     assert view.loss_scale.values[0] == 65536.0
 
@@ -155,7 +170,27 @@ def test_a_wide_run_page_shows_the_spread_over_ranks_and_names_its_straggler(tmp
     assert busy["max"].values[5] == pytest.approx(at5[-1])
     assert busy["min"].values[5] <= busy["p10"].values[5] <= busy["p50"].values[5]
     assert busy["p50"].values[5] <= busy["p90"].values[5] <= busy["max"].values[5]
-    fig = figures(view)["spread"]
+    # Bands for each phase, exposed communication and each collective, from the rollups.
+    for name in ("exposed_comm_s", "phase.forward", "phase.param_gather",
+                 "collective.all_gather.latency_s", "collective.reduce_scatter.busbw"):  # fmt: skip
+        assert set(view.spread[name]) == {"min", "p10", "p50", "p90", "max"}, name
+    fwd = sorted(e.phases["forward"] for e in events if e.step == 5)
+    assert view.spread["phase.forward"]["max"].values[5] == pytest.approx(fwd[-1])
+    assert view.spread["phase.forward"]["min"].values[5] == pytest.approx(fwd[0])
+    # Memory over 64 ranks from the rollups: the 16 lowest and 16 highest ranks exactly,
+    # the median between them (p10 and p90 fall among the named ranks).
+    at11 = sorted((max(e.memory.peak_by_phase.values()), e.rank) for e in events if e.step == 11)
+    dist = view.memory_peak
+    assert dist is not None and dist.n == 64 and not dist.every_rank
+    assert list(dist.positions) == [*range(16), 31.5, *range(48, 64)]
+    assert list(dist.ranks[:16]) == [r for _, r in at11[:16]]
+    assert list(dist.ranks[-16:]) == [r for _, r in at11[-16:]]
+    assert list(dist.values[-16:]) == pytest.approx([v for v, _ in at11[-16:]])
+    assert dist.ranks[16] is None
+    assert dist.values[16] == pytest.approx(statistics.median(v for v, _ in at11))
+    drawn = figures(view)
+    assert {"spread", "phases", "memory"} <= set(drawn)
+    fig = drawn["spread"]
     assert {t.name for t in fig.data if t.showlegend is not False} >= {
         "min–max over ranks", "p10–p90 over ranks", "median rank"
     }  # fmt: skip

@@ -46,6 +46,20 @@ def test_script_json_cannot_close_the_script_element():
     assert '"x":[null]' in text
 
 
+def test_figures_reach_the_page_with_five_significant_digits():
+    import plotly.graph_objects as go
+    from zerowatch.dashboards.html import figure_dict
+
+    fig = go.Figure([go.Scatter(x=[0, 7, 1_000_003], y=[1 / 3, None, 123456.789]),
+                     go.Heatmap(z=[[2 / 3, None], [1e-7 / 3, 5.0]]),
+                     go.Bar(x=["a"], y=[1.23456789], error_y={"array": [0.1234567]})])  # fmt: skip
+    scatter, heat, bar = figure_dict(fig)["data"]
+    assert scatter["x"] == [0, 7, 1_000_003]  # whole numbers (steps) stay whole
+    assert scatter["y"] == [0.33333, None, 123460.0]
+    assert heat["z"] == [[0.66667, None], [3.3333e-08, 5.0]]
+    assert bar["y"] == [1.2346] and bar["error_y"]["array"] == [0.12346]
+
+
 @pytest.mark.parametrize(
     "url",
     [
@@ -82,6 +96,10 @@ def test_live_endpoint_sends_figures_only_when_new_steps_arrived(client):
     assert fresh["summary"]["steps"] == "12"
     same = client.get(f"/runs/{run_id}/figures.json?since=11").json()
     assert not same["changed"] and same["figures"] == {}
+    assert (same["last_step"], same["status"]) == (11, "running")
+    assert set(same["summary"]) == {"last-seen"}  # the rest is unchanged: not recomputed
+    older = client.get(f"/runs/{run_id}/figures.json?since=10").json()
+    assert older["changed"] and older["summary"]["steps"] == "12" and older["figures"]
     assert client.get("/runs/nope/figures.json").status_code == 404
 
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 from zerowatch.dashboards import run
-from zerowatch.dashboards.data import RankGrid, Series, SizePoints, Straggler
+from zerowatch.dashboards.data import (
+    Quantiles,
+    RankDistribution,
+    RankGrid,
+    Series,
+    SizePoints,
+    Straggler,
+)
 
 STEPS = [0, 1, 2, 3]
 
@@ -53,15 +60,6 @@ def test_step_breakdown_draws_unknown_phases_as_lines_beside_the_stack():
     assert list(other.y) == pytest.approx([300.0, 300.0])  # only known phases fill the stack
 
 
-def test_memory_uses_mib_and_a_log_axis_when_the_peak_dwarfs_the_model_states():
-    mib = 2**20
-    fig = run.memory({0: {"forward": 350 * mib}}, {0: {"params": 2 * mib}}, {"params": 2 * mib},
-                     stage=2)  # fmt: skip
-    assert fig.layout.yaxis.type == "log"
-    assert fig.layout.yaxis.title.text == "memory (MiB, log scale)"
-    assert list(fig.data[0].y) == pytest.approx([350.0])
-
-
 def test_step_breakdown_has_no_other_band_when_phases_cover_the_step():
     fig = run.step_breakdown(s([0.3, 0.3]), {"forward": s([0.1, 0.1]), "backward": s([0.25, 0.25])})
     assert "other (unattributed)" not in names(fig)
@@ -95,40 +93,107 @@ def test_bandwidth_vs_size_uses_a_log_size_axis_and_draws_the_ceiling():
     assert "measured ceiling" in fig.layout.annotations[0].text
 
 
-def test_memory_puts_peaks_measured_and_theory_in_one_chart():
+def dist(values: list[float], ranks: list[int | None] | None = None, *, n: int = 0,
+         positions: list[float] | None = None) -> RankDistribution:  # fmt: skip
+    ranks = list(range(len(values))) if ranks is None else ranks
+    return RankDistribution(n=n or len(values), step=7, values=values, ranks=ranks,
+                            positions=positions or list(range(len(values))))  # fmt: skip
+
+
+def test_memory_sorts_the_ranks_peaks_against_theory_state_and_capacity():
     gib = 2**30
-    fig = run.memory(
-        {
-            0: {"forward": 3 * gib, "backward": 4 * gib},
-            1: {"forward": 3 * gib, "backward": 5 * gib},
-        },
-        {0: {"params": gib, "host_optimizer_states": 8 * gib}, 1: {"params": gib}},
+    fig = run.memory_by_rank(
+        dist([4 * gib, 5 * gib], [1, 0]),
+        {"params": gib, "host_optimizer_states": 8 * gib},
+        {"forward": Quantiles(3 * gib, 3 * gib, 3 * gib, 3 * gib, 3 * gib),
+         "backward": Quantiles(4 * gib, 4.1 * gib, 4.5 * gib, 4.9 * gib, 5 * gib)},
         {"params": gib, "grads": gib, "host_optimizer_states": 8 * gib},
-        stage=3,
-        capacity_bytes=40 * gib,
-    )
+        stage=3, capacity_bytes=40 * gib,
+    )  # fmt: skip
     assert names(fig) == [
-        "peak in forward",
-        "peak in backward",
-        "model states (measured)",
+        "peak per rank (sorted)",
+        "model states held (median rank)",
         "ZeRO-3 theory: model states",
+        "device capacity 40 GiB",
+        "peak by phase: median rank (whiskers: lowest, highest rank)",
     ]
-    assert list(fig.data[1].x) == ["rank 0", "rank 1"]
-    assert list(fig.data[1].y) == pytest.approx([4.0, 5.0])
+    peak = fig.data[0]
+    assert list(peak.x) == [0, 1] and list(peak.y) == pytest.approx([4.0, 5.0])
+    assert list(peak.text) == ["rank 1", "rank 0"]  # the hover names the rank of each point
     # Host-offloaded state does not count against the device.
-    assert list(fig.data[2].y) == pytest.approx([1.0, 1.0])
-    assert list(fig.data[3].y) == pytest.approx([2.0, 2.0])
+    assert list(fig.data[1].y) == pytest.approx([1.0, 1.0])
+    assert list(fig.data[2].y) == pytest.approx([2.0, 2.0])
+    assert list(fig.data[3].y) == pytest.approx([40.0, 40.0])
+    bars = fig.data[4]
+    assert list(bars.x) == ["forward", "backward"] and list(bars.y) == pytest.approx([3.0, 4.5])
+    assert list(bars.error_y.array) == pytest.approx([0.0, 0.5])
+    assert list(bars.error_y.arrayminus) == pytest.approx([0.0, 0.5])
     assert fig.layout.yaxis.title.text == "memory (GiB)"
-    assert fig.layout.shapes[0].y0 == pytest.approx(40.0)
-    assert "device capacity 40 GiB" in fig.layout.annotations[0].text
+    assert (
+        fig.layout.title.text == "Memory over ranks at step 7<br><sup>2 ranks sorted by peak</sup>"
+    )
 
 
-def test_memory_names_a_capacity_that_would_flatten_the_bars_instead_of_drawing_it():
+def test_memory_of_a_wide_run_draws_its_ends_and_quantiles_not_a_bar_per_rank():
+    gib = 2**30
+    values = [1.0 * gib] * 16 + [1.1 * gib, 1.2 * gib, 1.3 * gib] + [1.4 * gib] * 15 + [3 * gib]
+    ranks = [*range(16), None, None, None, *range(16, 31), 4000]
+    positions = [*range(16), 409.5, 2047.5, 3685.5, *range(4080, 4096)]
+    fig = run.memory_by_rank(dist(values, ranks, n=4096, positions=positions), {}, {}, {},
+                             stage=3, capacity_bytes=None)  # fmt: skip
+    (peak,) = [t for t in fig.data if t.type == "scatter"]
+    assert len(peak.x) == 35 and peak.x[-1] == 4095
+    assert list(peak.text[16:19]) == ["p10 over ranks", "median rank", "p90 over ranks"]
+    assert peak.text[-1] == "rank 4000"
+    assert (
+        "4,096 ranks sorted by peak: the 16 lowest and 16 highest, the p10, median and p90 "
+        "between" in fig.layout.title.text
+    )
+    # Nobody reported the device's capacity: the chart says so and draws no made-up line.
+    assert "device capacity not reported" in fig.layout.title.text
+    assert not any("capacity" in (t.name or "") for t in fig.data)
+
+
+def test_memory_uses_mib_and_a_log_axis_when_the_peak_dwarfs_the_model_states():
     mib = 2**20
-    fig = run.memory({0: {"forward": 300 * mib}}, {}, {"params": 100 * mib}, stage=1,
-                     capacity_bytes=80 * 2**30)  # fmt: skip
-    assert not fig.layout.shapes
+    fig = run.memory_by_rank(dist([350 * mib]), {"params": 2 * mib}, {}, {"params": 2 * mib},
+                             stage=2)  # fmt: skip
+    assert fig.layout.yaxis.type == "log"
+    assert fig.layout.yaxis.title.text == "memory (MiB, log scale)"
+    assert list(fig.data[0].y) == pytest.approx([350.0])
+
+
+def test_memory_names_a_capacity_that_would_flatten_the_peaks_instead_of_drawing_it():
+    mib = 2**20
+    fig = run.memory_by_rank(dist([300 * mib]), {}, {}, {"params": 100 * mib}, stage=1,
+                             capacity_bytes=80 * 2**30)  # fmt: skip
+    assert not any("capacity" in (t.name or "") for t in fig.data)
     assert "device capacity 80 GiB, off the scale" in fig.layout.title.text
+
+
+def test_bands_show_the_spread_over_ranks_of_phases_exposed_comm_and_collectives():
+    band = {"min": s([1e-3, 2e-3]), "p10": s([2e-3, 3e-3]), "p50": s([3e-3, 4e-3]),
+            "p90": s([4e-3, 5e-3]), "max": s([9e-3, 9e-3])}  # fmt: skip
+    fig = run.phase_spread({"phase.forward": band, "phase.backward": band, "phase.odd": band})
+    panels = [a.text for a in fig.layout.annotations]
+    assert panels == ["forward", "backward", "odd"]
+    fwd = [t for t in fig.data if t.legendgroup == "forward"]
+    assert [t.fill for t in fwd] == [None, "tonexty", None, "tonexty", None]
+    assert list(fwd[1].y) == pytest.approx([9.0, 9.0])  # the min-max band's top, in ms
+    assert list(fwd[4].y) == pytest.approx([3.0, 4.0])  # the median line
+    # Three panels in two columns: the third starts a second row on the left.
+    assert fig.layout.xaxis3.domain[0] == 0.0 and fig.layout.yaxis3.domain[1] < 0.5
+    spread = run.rank_spread({"busy_s": band, "step_time_s": band, "exposed_comm_s": band})
+    assert [a.text for a in spread.layout.annotations][-1].startswith("exposed communication")
+    coll = run.collectives({"all_gather": s([0.003, 0.004])}, {"all_gather": s([2e9, 3e9])},
+                           {"collective.all_gather.latency_s": band,
+                            "collective.all_gather.busbw": {k: s([v.values[0] * 1e12] * 2)
+                                                            for k, v in band.items()}})  # fmt: skip
+    fills = [t for t in coll.data if t.fill == "tonexty"]
+    assert len(fills) == 4 and {t.yaxis for t in fills} == {"y", "y2"}
+    assert all(t.legendgroup == "all_gather" for t in fills)
+    assert list(fills[0].y) == pytest.approx([9.0, 9.0])
+    assert list(fills[3].y) == pytest.approx([4.0, 4.0])  # p90 of the bus bandwidth, GB/s
 
 
 def test_offload_plots_each_direction_in_gbps():

@@ -1,6 +1,8 @@
 """The run page of wide runs in a real headless Chromium: simulated stage-3 runs of 64, 1,024
 and 4,096 ranks with one slow rank, stored through the store and rolled up by the server's
-compactor. Every chart draws data with no console error, the table of ranks that stand out
+compactor. Every chart draws data with no console error (the spread over ranks of busy,
+step and exposed time, of each phase and of the collectives; memory over ranks as a sorted
+line), the table of ranks that stand out
 names the injected straggler first (with its node), the heatmap shows at most ~256 rows,
 and a click on the straggler's heatmap row reaches its rank view. Screenshots of the
 4,096-rank run page and rank view are kept (artifacts/screenshots)."""
@@ -22,7 +24,8 @@ from zerowatch import simulate as sim
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 STEPS = 8
-RUN_CHARTS = {"breakdown", "spread", "collectives", "bandwidth", "memory", "training", "ranks"}
+RUN_CHARTS = {"breakdown", "spread", "phases", "collectives", "bandwidth", "memory", "training",
+              "ranks"}  # fmt: skip
 
 
 def _store(db_url: str, world: int, straggler: int) -> tuple[str, sim.SimSpec]:
@@ -52,6 +55,10 @@ def test_a_wide_run_page_names_its_straggler_and_leads_to_its_rank(world, stragg
         page.goto(f"{server.url}/runs/{run_id}")
         got = assert_all_drawn(page, RUN_CHARTS)
         assert len(got["ranks"]["points"]) == 1 and got["ranks"]["points"][0] <= 256 * STEPS
+        # Memory over ranks: a sorted line of at most the 32 named ranks and 3 quantiles,
+        # never a bar per rank; bands for every phase of a stage-3 step.
+        assert got["memory"]["points"][0] <= min(world, 2 * 16 + 3)
+        assert got["phases"]["traces"] >= 5 * 5
         first = page.locator("#outliers tbody tr").first
         assert first.get_attribute("data-rank") == str(straggler)
         assert sim.host_of(spec, straggler) in first.inner_text()

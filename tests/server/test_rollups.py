@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import statistics
+import time
 
 import pytest
 from zerowatch.server import store
@@ -134,3 +135,23 @@ def test_compactors_of_several_server_processes_never_compute_the_same_run(pg_se
             assert rollups.dirty_in(conn, pks[0]) == []
     finally:
         db.close()
+
+
+def test_a_settled_step_waits_for_its_missing_ranks_unless_nobody_wrote_to_it_for_long(
+    db: Database,
+) -> None:
+    spec = simulate.SimSpec(name="incomplete", world_size=4, stage=3)
+    rc = simulate.run_create(spec)
+    pk, _ = store.create_run(db, run=rc)
+    events = [simulate.step_event(spec, r, 0) for r in range(3)]  # rank 3 is late for step 0
+    events += [simulate.step_event(spec, r, 1) for r in range(4)]
+    store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, events))
+    compactor = rollups.Compactor(db, settle_s=0.5, incomplete_s=30.0)
+    now = time.time()
+    assert compactor.run_once(now=now + 1) == 1  # step 1: every rank is in
+    with db.read() as conn:
+        assert rollups.dirty_in(conn, pk) == [0]
+    assert compactor.run_once(now=now + 31) == 1  # step 0: nobody wrote to it for 30 s
+    with db.read() as conn:
+        assert rollups.dirty_in(conn, pk) == []
+        assert rollups.read(conn, pk, ["step_time_s"])["step_time_s"][0].n == 3

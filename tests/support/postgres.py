@@ -8,6 +8,9 @@
         ...
     # stopped (pg_ctl stop, then SIGKILL of the postmaster pid if needed), folder removed
 
+    pg.stop()                                   # a restart in the middle of a test:
+    pg.start()                                  # same port, same data
+
 As root the cluster runs as the `postgres` user (initdb refuses root): the data folder is
 chowned to it and every command goes through `runuser -u postgres`. Trust authentication,
 `fsync=off` (a test cluster), listening on 127.0.0.1 only, socket in the temp folder.
@@ -58,6 +61,8 @@ class PostgresServer:
     data_dir: Path
     bin_dir: Path
     as_user: list[str]
+    #: The server options pg_ctl starts it with (set once it has started).
+    options: str = ""
 
     @property
     def admin_url(self) -> str:
@@ -71,6 +76,19 @@ class PostgresServer:
             return int((self.data_dir / "postmaster.pid").read_text().split("\n", 1)[0])
         except (OSError, ValueError):
             return None
+
+    def _pg_ctl(self, *args: str) -> None:
+        _run([*self.as_user, str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), *args])
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the server (`pg_ctl -m fast`: open connections are cut, committed data is
+        on disk); `start()` brings it back on the same port."""
+        self._pg_ctl("-m", mode, "-w", "-t", "60", "stop")
+
+    def start(self) -> None:
+        """Start the stopped server again, same port and data."""
+        log = self.data_dir.parent / "log"
+        self._pg_ctl("-l", str(log), "-w", "-t", "30", "-o", self.options, "start")
 
     def create_database(self, name: str) -> str:
         """Create an empty database (dropping one of that name) and return its URL."""
@@ -110,14 +128,13 @@ def postgres() -> Iterator[PostgresServer]:
               "--auth=trust", "-E", "UTF8", "--no-locale"])  # fmt: skip
         for attempt in range(3):
             server.port = _free_port()
-            opts = (
+            server.options = (
                 f"-c listen_addresses=127.0.0.1 -c port={server.port} "
                 f"-c unix_socket_directories={tmp} -c fsync=off -c synchronous_commit=off "
                 "-c full_page_writes=off -c max_connections=200"
             )
             try:
-                _run([*as_user, str(bin_dir / "pg_ctl"), "-D", str(data), "-l",
-                      str(tmp / "log"), "-w", "-t", "30", "-o", opts, "start"])  # fmt: skip
+                server.start()
                 break
             except RuntimeError:
                 if attempt == 2:

@@ -1,7 +1,10 @@
 """Sharded parameters (stage 3): each rank keeps 1/N of every large parameter.
 
-A *unit* is the set of large trainable parameters registered directly on one submodule (one
-`Segment` per submodule and param group). Between uses, each `nn.Parameter` of a unit holds
+A *unit* is the set of large trainable parameters of one submodule (one `Segment` per unit
+and param group): those of its whole subtree when they fit `reduce_bucket_size` (a
+transformer block: one all-gather and one reduce-scatter for its four linear layers), else
+those registered on it directly (`stages.stage3_units`). The unit's buffers come from a
+pool reused within a pass (`buffers.BufferPool`). Between uses, each `nn.Parameter` of a unit holds
 an empty tensor and the rank keeps only its part of the unit's flat buffer
 (`segment.param_shard`, on the host with `offload_param`). Around every use:
 
@@ -40,6 +43,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from zerowatch.engine.buffers import BufferPool
 from zerowatch.engine.comm import Comm, Handle
 from zerowatch.engine.flat import Segment
 from zerowatch.engine.phases import Phases
@@ -67,6 +71,10 @@ class ShardedParams:
     Args:
         module: the model (hooks go on its submodules).
         segments: one per unit, built with shards = world size.
+        roots: the module each segment is gathered for, by segment index (None: the
+            modules that hold its parameters).
+        pool: where gathered buffers come from and go back to within a pass (shared with
+            the gradient reducer); cleared at the end of each backward.
         offload: keep the shards on the host (`offload_param`), pinned if device is a GPU.
         prefetch_numel: elements to gather ahead of need (0: no prefetch).
         max_live_numel: the most gathered elements that prefetch and reuse may lead to (the
@@ -78,7 +86,8 @@ class ShardedParams:
     def __init__(self, module: nn.Module, segments: list[Segment], comm: Comm, phases: Phases,
                  *, device: torch.device, dtype: torch.dtype, offload: bool,
                  prefetch_numel: int, max_live_numel: int = 10**18,
-                 max_reuse_numel: int = 0) -> None:  # fmt: skip
+                 max_reuse_numel: int = 0, roots: list[nn.Module] | None = None,
+                 pool: BufferPool | None = None) -> None:  # fmt: skip
         self.segments, self.comm, self.phases = segments, comm, phases
         self.device, self.dtype, self.offload = device, dtype, offload
         self.prefetch_numel = prefetch_numel
@@ -86,6 +95,7 @@ class ShardedParams:
         self.max_reuse_numel = max_reuse_numel
         #: Elements of the units gathered or being gathered now.
         self.gathered_numel = 0
+        self.pool = pool if pool is not None else BufferPool(device, dtype)
         host = torch.device("cpu")
         home = host if offload else device
         self.shard_buffer = torch.empty(sum(s.shard_numel for s in segments), device=home,
@@ -107,13 +117,24 @@ class ShardedParams:
             self.units[seg.index] = unit
             for s in seg.slots:
                 unit_of[s.param] = unit
+        # Each unit is gathered for its root module (the module holding its parameters, or
+        # the block whose subtree they fill), and for any module outside that subtree that
+        # uses one of its parameters (a weight tied to the LM head).
+        rooted: dict[nn.Module, list[_Unit]] = {}
+        inside: dict[_Unit, set[nn.Module]] = {}
+        for seg in segments:
+            unit = self.units[seg.index]
+            root = roots[seg.index] if roots is not None else None
+            if root is not None:
+                rooted.setdefault(root, []).append(unit)
+                inside[unit] = set(root.modules())
         self._module_units: dict[nn.Module, list[_Unit]] = {}
         self._hooks: list[Any] = []
         for m in module.modules():
-            needed: list[_Unit] = []
+            needed: list[_Unit] = list(rooted.get(m, ()))
             for p in m.parameters(recurse=False):
                 u = unit_of.get(p)  # type: ignore[call-overload]
-                if u is not None and u not in needed:
+                if u is not None and u not in needed and m not in inside.get(u, ()):
                     needed.append(u)
             if needed:
                 self._module_units[m] = needed
@@ -220,15 +241,18 @@ class ShardedParams:
             u.users -= 1
             if u.users == 0:
                 self.release(u.seg)
+        self.pool.clear()
 
     def _start(self, u: _Unit, purpose: str = "param_fetch") -> None:
         src = u.seg.param_shard
         if self.offload:
             nbytes = src.numel() * src.element_size()
             with self.phases.offload("h2d", nbytes):
-                src = src.to(self.device, copy=True)
+                copy = self.pool.take(src.numel())
+                copy.copy_(src, non_blocking=True)
+                src = copy
         u.src = src
-        u.full = torch.empty(u.seg.padded, device=self.device, dtype=self.dtype)
+        u.full = self.pool.take(u.seg.padded)
         u.handle = self.comm.all_gather(u.full, src, purpose=purpose, async_op=True)
         u.state = UnitState.GATHERING
         self.gathered_numel += u.seg.numel
@@ -240,6 +264,8 @@ class ShardedParams:
         u.handle.wait()
         for s, view in zip(u.seg.slots, u.seg.views(u.full), strict=True):
             s.param.data = view
+        if self.offload and u.src is not None:  # the device copy of the shard, sent
+            self.pool.give(u.src)
         u.handle, u.src = None, None
         u.state = UnitState.GATHERED
 
@@ -251,7 +277,9 @@ class ShardedParams:
         self._wait(u)
         for s in seg.slots:
             s.param.data = self._empty
-        u.full = None
+        full, u.full = u.full, None
+        if full is not None:
+            self.pool.give(full)  # (kept by the pool only if no saved view still uses it)
         u.state = UnitState.SHARDED
         self.gathered_numel -= u.seg.numel
 
@@ -265,6 +293,8 @@ class ShardedParams:
         for u in self.units.values():
             if u.users == 0:
                 self.release(u.seg)
+        if mode == "backward" or not torch.is_grad_enabled():
+            self.pool.clear()  # between steps the engine holds its model states alone
         if self._order[mode] and not self._recorded[mode]:
             self._recorded[mode] = True
             if mode == "forward":

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from zerowatch.engine.buffers import BufferPool
 from zerowatch.engine.comm import Comm, Handle
 from zerowatch.engine.flat import Segment
 from zerowatch.engine.phases import Phases
@@ -156,14 +157,18 @@ class MicroBatchReducer:
         segments: the segments whose gradients this reduces.
         on_copied: called with a segment once its gradients are in the staging buffer (stage
             3 releases the gathered parameters there).
+        pool: where staging buffers come from; each goes back once its reduce-scatter is
+            done (stage 3 shares it with the gathered parameters).
         max_inflight_numel: with overlap, at most this many staged elements wait for their
             collective at once (older ones are waited for first), bounding the staging memory.
     """
 
     def __init__(self, segments: list[Segment], comm: Comm, phases: Phases, *, overlap: bool,
                  device: torch.device, dtype: torch.dtype, max_inflight_numel: int,
-                 on_copied: Callable[[Segment], None] | None = None) -> None:  # fmt: skip
+                 on_copied: Callable[[Segment], None] | None = None,
+                 pool: BufferPool | None = None) -> None:  # fmt: skip
         self.segments, self.comm, self.phases = segments, comm, phases
+        self.pool = pool if pool is not None else BufferPool(device, dtype)
         self.overlap, self.device, self.dtype = overlap, device, dtype
         self.max_inflight = max(max_inflight_numel, 1)
         self.on_copied = on_copied
@@ -190,7 +195,7 @@ class MicroBatchReducer:
     def _launch(self, seg: Segment) -> None:
         self.tracker.launched.add(seg.index)
         with self.phases.phase("grad_reduce"):
-            staging = torch.empty(seg.padded, device=self.device, dtype=self.dtype)
+            staging = self.pool.take(seg.padded)
             seg.flatten_into(staging, [s.param.grad for s in seg.slots])
             for s in seg.slots:
                 s.param.grad = None
@@ -207,10 +212,11 @@ class MicroBatchReducer:
                 self._finish(self.pending.pop(0))
 
     def _finish(self, item: tuple[Handle, torch.Tensor, torch.Tensor, Segment]) -> None:
-        h, _staging, out, seg = item
+        h, staging, out, seg = item
         h.wait()
         if out is not seg.grad_shard:
             seg.grad_shard.add_(out)
+        self.pool.give(staging)
 
     def end_backward(self) -> None:
         for seg in self.tracker.unlaunched():
@@ -219,6 +225,7 @@ class MicroBatchReducer:
             for item in self.pending:
                 self._finish(item)
         self.pending.clear()
+        self.pool.clear()
         self.fresh = False
 
     def zero_grad(self) -> None:

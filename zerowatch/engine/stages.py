@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from zerowatch.config import ConfigError, ZeroConfig
+from zerowatch.engine.buffers import BufferPool
 from zerowatch.engine.comm import Comm
 from zerowatch.engine.flat import Segment, bucket
 from zerowatch.engine.params_replicated import ReplicatedParams
@@ -82,22 +83,16 @@ def compose(stage: int, module: nn.Module, params: ParamList, zc: ZeroConfig, co
     threshold = int(zc.stage3_param_persistence_threshold)
     persistent = [t for t in params if t[1].numel() < threshold]
     big = {id(t[1]): t for t in params if t[1].numel() >= threshold}
-    units: list[Segment] = []
-    for m in module.modules():
-        by_group: dict[int, list[tuple[str, nn.Parameter]]] = {}
-        for p in m.parameters(recurse=False):
-            entry = big.pop(id(p), None)
-            if entry is not None:
-                by_group.setdefault(entry[2], []).append((entry[0], entry[1]))
-        for group, members in sorted(by_group.items()):
-            units.append(Segment(len(units), members, group, n, rank))
-    sharded = ShardedParams(module, units, comm, phases, offload=zc.offload_param.device == "cpu",
+    units, roots = stage3_units(module, big, n, rank, max_numel=bucket_numel)
+    pool = BufferPool(device, dtype)  # gathered units and staged gradients, one pass
+    sharded = ShardedParams(module, units, comm, phases, roots=roots, pool=pool,
+                            offload=zc.offload_param.device == "cpu",
                             prefetch_numel=int(zc.stage3_prefetch_bucket_size),
                             max_live_numel=int(zc.stage3_max_live_parameters),
                             max_reuse_numel=int(zc.stage3_max_reuse_distance), **common)  # fmt: skip
     unit_reducer = MicroBatchReducer(units, comm, phases, overlap=overlap,
                                      max_inflight_numel=2 * bucket_numel,
-                                     on_copied=sharded.release, **common)  # fmt: skip
+                                     on_copied=sharded.release, pool=pool, **common)  # fmt: skip
     owners: list[Any] = [sharded]
     reducers: list[Any] = [unit_reducer]
     small = bucket(list(reversed(persistent)), bucket_numel, 1, rank, start_index=len(units))
@@ -110,4 +105,55 @@ def compose(stage: int, module: nn.Module, params: ParamList, zc: ZeroConfig, co
                        params_on_host=zc.offload_param.device == "cpu")  # fmt: skip
 
 
-__all__ = ["Composition", "ParamList", "compose"]
+def stage3_units(module: nn.Module, big: dict[int, tuple[str, nn.Parameter, int]], n: int,
+                 rank: int, *, max_numel: int) -> tuple[list[Segment], list[nn.Module]]:  # fmt: skip
+    """Stage 3's units and the module each is gathered for (its root).
+
+    A submodule whose whole subtree holds at most `max_numel` elements of sharded
+    parameters (`reduce_bucket_size`), and at most half of them all, is one unit: its
+    parameters are gathered with one all-gather before it runs and reduce-scattered with
+    one collective (a transformer block instead of its four linear layers: a quarter of the
+    collectives and hooks). Anything larger is split: the parameters registered on a module
+    itself are one unit, and its children are visited in turn. The model itself and module
+    containers that never run (ModuleList, ModuleDict) are never roots. A unit never mixes
+    param groups (one per group, same root).
+
+    Args:
+        big: id(param) -> (name, param, group) of the sharded parameters; emptied.
+    """
+    total = sum(p.numel() for _, p, _ in big.values())
+    segments: list[Segment] = []
+    roots: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def add(root: nn.Module, entries: list[tuple[str, nn.Parameter, int]]) -> None:
+        by_group: dict[int, list[tuple[str, nn.Parameter]]] = {}
+        for name, p, group in entries:
+            by_group.setdefault(group, []).append((name, p))
+        for group, members in sorted(by_group.items()):
+            segments.append(Segment(len(segments), members, group, n, rank))
+            roots.append(root)
+
+    def visit(m: nn.Module, top: bool) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        runs = not isinstance(m, (nn.ModuleList, nn.ModuleDict))
+        if not top and runs and next(m.children(), None) is not None:
+            inside = list(dict.fromkeys(id(p) for p in m.parameters() if id(p) in big))
+            numel = sum(big[i][1].numel() for i in inside)
+            if inside and numel <= max_numel and 2 * numel <= total:
+                add(m, [big.pop(i) for i in inside])
+                seen.update(id(sub) for sub in m.modules())
+                return
+        own = [big.pop(id(p)) for p in m.parameters(recurse=False) if id(p) in big]
+        if own:
+            add(m, own)
+        for child in m.children():
+            visit(child, False)
+
+    visit(module, True)
+    return segments, roots
+
+
+__all__ = ["Composition", "ParamList", "compose", "stage3_units"]

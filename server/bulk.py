@@ -1,0 +1,147 @@
+"""Multi-row INSERTs of plain tuples: the ingest writer's statements, below SQLAlchemy's
+per-row parameter handling.
+
+A 4,096-rank job stores thousands of rows a second. Handed to SQLAlchemy as one dict per
+row, every value of every row goes through a bind processor (the JSON columns through
+`json.dumps`): that was most of the writer thread's time. Here a statement is compiled once
+by SQLAlchemy (so its ON CONFLICT / RETURNING clauses are SQLAlchemy's own), and its rows
+are given as tuples in the statement's column order, with the JSON columns written by
+orjson:
+
+- SQLite: a statement without RETURNING is prepared once for one row and run over all rows
+  by the driver (`executemany`); one with RETURNING (the steps' insert, which tells which
+  events are new) as `INSERT ... VALUES (?, ...), (?, ...), ... <clauses>` in chunks of a
+  few fixed sizes, so SQLite prepares each text once (a new text for every group's row
+  count made preparing most of the writer's time when groups were small).
+- PostgreSQL: `INSERT ... SELECT * FROM unnest(CAST(%(c)s AS type[]), ...) <clauses>`: one
+  array parameter per column, so the statement text is the same for any number of rows
+  (psycopg parses a new text anew: with SQLAlchemy's multi-row VALUES that parse was half
+  of the server's ingest time).
+
+A JSON column's value is stored as SQLAlchemy's JSON type stores it (None is the JSON null,
+not SQL NULL), so every reader sees the same documents.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import orjson
+from sqlalchemy import JSON, Boolean, Connection, Float, Integer
+from sqlalchemy.dialects import postgresql, sqlite
+
+
+def json_text(value: Any) -> str:
+    """A JSON column's text: orjson, or the standard library for what orjson refuses (an
+    integer beyond 64 bits)."""
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError:
+        return json.dumps(value, separators=(",", ":"))
+
+
+class TupleInsert:
+    """One INSERT statement (SQLAlchemy's, with its clauses) run over tuple rows.
+
+    Args:
+        stmt: an `insert(table)` of the connection's dialect, with any ON CONFLICT /
+            RETURNING clauses; its bound constants (e.g. `coalesce(x, -1)`) are kept.
+        columns: the rows' column names, in tuple order.
+        dialect: "sqlite" or "postgresql".
+    """
+
+    def __init__(self, stmt: Any, columns: Sequence[str], dialect: str) -> None:
+        self.columns = tuple(columns)
+        self.dialect = dialect
+        table = stmt.table
+        # Each column's values made its column's Python type: psycopg types an array by
+        # its elements and refuses a list that mixes int and float (or bool and int).
+        self._json = [isinstance(table.c[c].type, JSON) for c in self.columns]
+        self._as: list[Callable[[Any], Any]] = [
+            json_text if isinstance(t, JSON)
+            else float if isinstance(t, Float)
+            else bool if isinstance(t, Boolean)
+            else int if isinstance(t, Integer)
+            else str
+            for t in (table.c[c].type for c in self.columns)
+        ]  # fmt: skip
+        d = postgresql.dialect() if dialect == "postgresql" else sqlite.dialect()
+        compiled = stmt.compile(dialect=d, column_keys=list(self.columns))
+        text = str(compiled)
+        at = text.find(" ON CONFLICT")
+        tail = text[at:] if at >= 0 else ""
+        head = f"INSERT INTO {table.name} ({', '.join(self.columns)})"
+        if dialect == "postgresql":
+            arrays = ", ".join(
+                f"CAST(%({c})s AS {table.c[c].type.compile(dialect=d)}[])" for c in self.columns
+            )
+            self._pg_sql = f"{head} SELECT * FROM unnest({arrays}){tail}"
+            self._constants = {k: v for k, v in compiled.params.items() if k not in self.columns}
+        else:
+            self._head, self._tail = head + " VALUES ", tail
+            self._group = "(" + ", ".join("?" * len(self.columns)) + ")"
+            # The constants of the clauses, in the order of their `?`s (after the rows').
+            order = compiled.positiontup or []
+            self._tail_params = tuple(compiled.params[k] for k in order[len(self.columns) :])
+            self._sql_by_n: dict[int, str] = {}
+            self._returning = " RETURNING " in tail
+
+    def execute(self, conn: Connection, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Insert `rows`; returns the RETURNING rows (empty without a RETURNING clause)."""
+        if not rows:
+            return []
+        if self.dialect == "postgresql":
+            params: dict[str, Any] = dict(self._constants)
+            for c, to, is_json, values in zip(
+                self.columns, self._as, self._json, zip(*rows, strict=True), strict=True
+            ):
+                if is_json:  # JSON: None is the JSON null, not SQL NULL
+                    params[c] = [to(v) for v in values]
+                else:
+                    params[c] = [None if v is None else to(v) for v in values]
+            result = conn.exec_driver_sql(self._pg_sql, params)
+            return list(result) if result.returns_rows else []
+        json_at = [i for i, j in enumerate(self._json) if j]
+        if json_at:
+            cells: list[list[Any]] = [list(row) for row in rows]
+            for cell in cells:
+                for j in json_at:
+                    cell[j] = json_text(cell[j])
+            rows = [tuple(cell) for cell in cells]  # the JSON columns as text
+        if not self._returning:
+            # One prepared single-row statement, run for every row in C (executemany).
+            conn.exec_driver_sql(self._sql(1), [(*row, *self._tail_params) for row in rows])
+            return []
+        # RETURNING needs one statement per chunk: chunks of a few sizes (powers of two), so
+        # that SQLite prepares a handful of statement texts once and reuses them, instead of
+        # preparing a new text of thousands of parameters for every group's row count.
+        out: list[Any] = []
+        i = 0
+        while i < len(rows):
+            size = _CHUNKS[0]
+            for size in _CHUNKS:
+                if size <= len(rows) - i:
+                    break
+            flat: list[Any] = []
+            for row in rows[i : i + size]:
+                flat.extend(row)
+            flat.extend(self._tail_params)
+            out.extend(conn.exec_driver_sql(self._sql(size), tuple(flat)))
+            i += size
+        return out
+
+    def _sql(self, n: int) -> str:
+        sql = self._sql_by_n.get(n)
+        if sql is None:
+            sql = self._sql_by_n[n] = self._head + ", ".join([self._group] * n) + self._tail
+        return sql
+
+
+#: Rows of one SQLite statement with RETURNING, largest first (rows x columns stays under
+#: SQLite's 32,766 parameters).
+_CHUNKS = (256, 64, 16, 4, 1)
+
+
+__all__ = ["TupleInsert", "json_text"]
