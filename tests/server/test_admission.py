@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,7 +25,10 @@ def call(mw: AdmissionMiddleware, method: str, path: str) -> list[dict[str, Any]
         sent.append(message)
 
     scope = {"type": "http", "method": method, "path": path}
-    asyncio.run(mw(scope, receive, send))
+    # A loop of its own on a thread of its own: the suite's earlier tests may leave one
+    # running on this thread (asyncio.run refuses to start inside it).
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, mw(scope, receive, send)).result()
     return sent
 
 
