@@ -6,20 +6,25 @@ the same instrumented steps of 2 gloo ranks (CPU activities, with the engine's
 - The step time, each phase's total, each phase occurrence and each exclusive part
   (recomputed from the profiler's intervals with the agent's own rule) agree with the
   profiler: their median relative difference over the steps and ranks is under 10%, and no
-  single step differs by more than 25% or SLACK_S (one scheduler time slice: what a rank
-  descheduled between the two instruments' timestamps adds; a wrong attribution, a missing
-  reduce or a phase counted twice, is far more).
+  single step differs by more than 25% or SLACK_S (one scheduler time slice plus one
+  interpreter switch interval: what a rank descheduled, or its training thread waiting for
+  the GIL while the agent's shipper thread holds it, between the two instruments'
+  timestamps adds; a wrong attribution, a missing reduce or a phase counted twice, is far
+  more).
 
 Why medians and slack: the two instruments take their timestamps at slightly different
 points. The profiler's range of a phase opens before the agent's start mark and closes
 after its end mark (50-100 µs wider per range on a quiet machine); on a loaded 2-core
-machine a rank descheduled between the two timestamps widens one range by a time slice.
+machine a rank descheduled between the two timestamps widens one range by a time slice,
+and a GIL handoff to another thread of the rank (Python's switch interval, 5 ms) can widen
+it the same way: single ranges 5.1 ms apart were seen on a quiet machine.
 The model is wider and its sequences longer than the other agent tests' (PROFILED_CFG), so
 that compute, not the instruments' per-range offsets, makes up the self times compared."""
 
 from __future__ import annotations
 
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +38,7 @@ pytestmark = pytest.mark.slow
 
 WORLD, STEPS = 2, 4
 #: Median relative difference allowed, and what one step may differ by.
-REL, STEP_REL, SLACK_S = 0.10, 0.25, 5e-3
+REL, STEP_REL, SLACK_S = 0.10, 0.25, 5e-3 + sys.getswitchinterval()
 #: Quantities shorter than this are left out of the medians (their relative differences
 #: are the instruments' offsets).
 MEDIAN_FLOOR_S = 1e-3
