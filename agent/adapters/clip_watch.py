@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
+from zerowatch.agent.adapters.base import StepStats
+from zerowatch.agent.adapters.zerowatch_engine import _finite_or_none
 
 log = logging.getLogger("zerowatch.agent")
 
@@ -139,4 +141,28 @@ def norm_value(total_norm: Any) -> float | None:
     return float(t.item())
 
 
-__all__ = ["installed", "norm_value", "unwatch", "watch"]
+def step_stats(optimizer: Any, clip: tuple[Any, float] | None) -> StepStats:
+    """A step's learning rate (the optimizer's first group) and, where the script clipped,
+    the norm `clip_grad_norm_` returned (`clip`: (total_norm, max_norm) of the step)."""
+    groups = getattr(optimizer, "param_groups", None) or []
+    lr = _finite_or_none(groups[0].get("lr")) if groups else None
+    if clip is None:
+        return StepStats(lr=lr)
+    total_norm, max_norm = clip
+    raw = norm_value(total_norm)
+    norm = _finite_or_none(raw)
+    return StepStats(
+        grad_norm=norm,
+        clipped=norm is not None and norm > max_norm,
+        lr=lr,
+        nonfinite=raw is not None and norm is None,
+    )
+
+
+__all__ = [
+    "installed",
+    "norm_value",
+    "step_stats",
+    "unwatch",
+    "watch",
+]

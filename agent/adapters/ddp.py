@@ -63,7 +63,6 @@ from zerowatch.agent.adapters.foreign import (
     TensorCensus,
     optimizer_state_tensors,
 )
-from zerowatch.agent.adapters.zerowatch_engine import _finite_or_none
 
 from zerowatch import theory
 
@@ -311,19 +310,7 @@ class DDPAdapter(ForeignAdapter):
         return census.result()
 
     def step_stats(self) -> StepStats:
-        groups = getattr(self.optimizer, "param_groups", None) or []
-        lr = _finite_or_none(groups[0].get("lr")) if groups else None
-        if self._clip is None:
-            return StepStats(lr=lr)
-        total_norm, max_norm = self._clip
-        raw = clip_watch.norm_value(total_norm)
-        norm = _finite_or_none(raw)
-        return StepStats(
-            grad_norm=norm,
-            clipped=norm is not None and norm > max_norm,
-            lr=lr,
-            nonfinite=raw is not None and norm is None,
-        )
+        return clip_watch.step_stats(self.optimizer, self._clip)
 
     def torch_device(self) -> Any:
         import torch

@@ -50,7 +50,6 @@ from zerowatch.agent.adapters.foreign import (
     TensorCensus,
     optimizer_state_tensors,
 )
-from zerowatch.agent.adapters.zerowatch_engine import _finite_or_none
 
 from zerowatch import theory
 
@@ -78,10 +77,6 @@ def _fsdp_state(model: Any) -> Any:
         return model._get_fsdp_state()
     except AttributeError:
         return None
-
-
-def _group(optimizer: Any) -> Any:
-    return getattr(optimizer, "param_groups", None)
 
 
 class FSDP2Adapter(ForeignAdapter):
@@ -313,19 +308,7 @@ class FSDP2Adapter(ForeignAdapter):
         return census.result()
 
     def step_stats(self) -> StepStats:
-        groups = _group(self.optimizer) or []
-        lr = _finite_or_none(groups[0].get("lr")) if groups else None
-        if self._clip is None:
-            return StepStats(lr=lr)
-        total_norm, max_norm = self._clip
-        raw = clip_watch.norm_value(total_norm)
-        norm = _finite_or_none(raw)
-        return StepStats(
-            grad_norm=norm,
-            clipped=norm is not None and norm > max_norm,
-            lr=lr,
-            nonfinite=raw is not None and norm is None,
-        )
+        return clip_watch.step_stats(self.optimizer, self._clip)
 
     def torch_device(self) -> Any:
         import torch
