@@ -6,6 +6,7 @@ without `zerowatch.instrument`, interleaved in one run, per ZeRO stage.
     python bench/agent_overhead.py --fault 500      # a server answering 500 to everything
     python bench/agent_overhead.py --fault hang     # a server that never answers
     python bench/agent_overhead.py --deep-layers 0  # without the 48-layer stage-3 row
+    python bench/agent_overhead.py --cuda           # one rank on the GPU (NCCL, world size 1)
 
 For each stage every rank builds one engine (a small GPT) and one instrumented run shipping
 to a real `zerowatch serve` on 127.0.0.1. Then, `--repeats` times, it trains `--steps`
@@ -69,6 +70,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def world(args: argparse.Namespace) -> int:
+    """Ranks to spawn: two gloo ranks on CPU; with --cuda one NCCL rank, since NCCL refuses
+    two ranks on one GPU ("Duplicate GPU detected") and these machines lend one."""
+    return 1 if getattr(args, "cuda", False) else WORLD
+
+
 def run_ranks(measure_rank: Any, args: argparse.Namespace) -> tuple[list[Any], float]:
     """Start a server (unless --no-server), spawn WORLD ranks of `measure_rank(rank, args,
     port, server, spool_dir, tmp)`, and return what each rank saved as rank<r>.pt, with the
@@ -87,7 +94,7 @@ def run_ranks(measure_rank: Any, args: argparse.Namespace) -> tuple[list[Any], f
             ctx = mp.get_context("spawn")
             procs = [ctx.Process(target=measure_rank,
                                  args=(r, args, port, server, str(work / "spool"), tmp))
-                     for r in range(WORLD)]  # fmt: skip
+                     for r in range(world(args))]  # fmt: skip
             t0 = time.perf_counter()
             for proc in procs:
                 proc.start()
@@ -96,7 +103,8 @@ def run_ranks(measure_rank: Any, args: argparse.Namespace) -> tuple[list[Any], f
             wall = time.perf_counter() - t0
             if any(proc.exitcode != 0 for proc in procs):
                 raise SystemExit(f"a rank failed: exit codes {[proc.exitcode for proc in procs]}")
-            ranks = [torch.load(work / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+            ranks = [torch.load(work / f"rank{r}.pt", weights_only=False)
+                     for r in range(world(args))]  # fmt: skip
         finally:
             if isinstance(server_proc, subprocess.Popen):
                 server_proc.terminate()
@@ -306,8 +314,11 @@ def measure_stage(rank: int, stage: int, layers: int, args: argparse.Namespace,
 def measure_rank(rank: int, args: argparse.Namespace, port: int, server: str | None,
                  spool: str, out: str) -> None:  # fmt: skip
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD, timeout=timedelta(seconds=300))  # fmt: skip
+    backend = "nccl" if args.cuda else "gloo"
+    if args.cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world(args), timeout=timedelta(seconds=300))  # fmt: skip
     results = {v: measure_stage(rank, v[0], v[1], args, server, spool) for v in variants(args)}
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.barrier()
@@ -337,12 +348,14 @@ def main() -> None:
     p.add_argument("--fault", choices=("none", "500", "hang"), default="none",
                    help="ship to a server that answers 500s or never answers")  # fmt: skip
     p.add_argument("--foreign", default="", help="also deepspeed,fsdp2 (agent_overhead_foreign.py)")
+    p.add_argument("--cuda", action="store_true",
+                   help="one NCCL rank on the GPU instead of two gloo ranks on the CPU")  # fmt: skip
     args = p.parse_args()
     args.stages = [int(s) for s in args.stages.split(",")]
 
     ranks, wall = run_ranks(measure_rank, args)
 
-    print(f"agent overhead: {WORLD} gloo ranks, GPT d_model={args.d_model} layers={args.layers} "
+    print(f"agent overhead: {world(args)} {'NCCL rank on ' + torch.cuda.get_device_name() if args.cuda else 'gloo ranks'}, GPT d_model={args.d_model} layers={args.layers} "
           f"seq={args.seq} micro-batch={args.micro_batch}, {args.repeats} repeats x "
           f"{args.steps} steps per variant, {where(args)}, "
           f"{wall:.0f} s")  # fmt: skip
