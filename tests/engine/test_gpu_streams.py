@@ -280,3 +280,22 @@ def test_engine_steps_on_cuda_decompose_exactly_without_synchronizing(
         assert e["memory"]["device"] == "cuda"
         if offload:
             assert e["offload"], e  # the host copies were timed
+
+
+def test_clock_marks_follow_the_current_stream(cycles_per_ms: float) -> None:
+    # The clock keeps the current stream's object between marks; under `torch.cuda.stream`
+    # a mark lands on that stream. A 10 ms kernel queued on a side stream: the mark made
+    # there completes after it, the next mark on the default stream does not wait for it.
+    from zerowatch.agent.probes.clock import CudaClock
+
+    clock, side = CudaClock("cuda:0"), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    first = clock.mark(0.0)
+    with torch.cuda.stream(side):
+        side.wait_event(first[1])
+        Device(cycles_per_ms).kernel(10 * MS)
+        on_side = clock.mark(0.0)
+    back = clock.mark(0.0)
+    torch.cuda.synchronize()
+    assert clock.seconds(first, on_side) == pytest.approx(10 * MS, abs=TOL)
+    assert clock.seconds(first, back) < TOL
