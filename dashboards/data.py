@@ -59,7 +59,8 @@ class RankGrid:
     #: Ranks per row: a wide run's rows are blocks of `block` ranks (ranks[i] the first),
     #: each cell the block's maximum.
     block: int = 1
-    #: Where a click on row i goes (the first rank's view), or empty.
+    #: Where a click on row i goes (the view of the row's rank with the most of the
+    #: quantity over the steps shown: on a block, the rank that makes it stand out), or empty.
     links: Sequence[str] = ()
 
     def __post_init__(self) -> None:

@@ -376,11 +376,12 @@ def rank_heatmap(
     """A time per rank (rows) over steps (columns); the title names the straggler the
     server's read model found (`found`), or says there is none. A wide run's rows are
     blocks of ranks (at most ~256 rows), each cell the block's maximum, as the title says.
-    A click on a row opens its (first) rank's view (`grid.links`, read by the page's
-    script from `layout.meta`)."""
+    A click on a row opens the view of its rank with the most of the quantity (on a block,
+    the rank that makes it stand out; `grid.links`, read by the page's script from
+    `layout.meta`)."""
     b = grid.block
     title = f"{quantity.capitalize()} per rank" if b == 1 else (
-        f"{quantity.capitalize()}, max over each block of {b} ranks"
+        f"{quantity.capitalize()}, max over each block of {b} ranks (a click opens its slowest)"
     )  # fmt: skip
     if found is not None:
         title += f" — straggler: rank {found.rank} ({found.excess:+.0%} vs median rank)"

@@ -53,6 +53,8 @@ class _Job:
 @dataclass
 class _Queue:
     jobs: list[_Job] = field(default_factory=list)
+    #: Events in `jobs` (kept as they come and go, not summed per look).
+    events: int = 0
     closed: bool = False
 
 
@@ -117,13 +119,21 @@ class Ingestor:
 
     def _enqueue(self, job: _Job) -> None:
         with self._cond:
-            self._queue.jobs.append(job)
+            queue = self._queue
+            queue.jobs.append(job)
+            queue.events += len(job.batch.events)
             if self._writer is None:
                 self._writer = threading.Thread(
                     target=self._write_loop, name="zerowatch-ingest", daemon=True
                 )
                 self._writer.start()
-            self._cond.notify()
+            # Wake the writer only when it has something new to decide: the first batch
+            # of a group, or enough events to stop lingering. A writer lingering for more
+            # wakes at its deadline anyway; waking it for every request (hundreds a
+            # second) costs a thread switch and a GIL hand-over each (a sixth of the event
+            # loop's wall-clock samples at 2,048 ranks; its CPU time did not change).
+            if len(queue.jobs) == 1 or queue.events >= self.linger_events:
+                self._cond.notify()
 
     def _take(self) -> list[_Job] | None:
         """The next group; None once closed and drained."""
@@ -138,9 +148,8 @@ class Ingestor:
             # their way `linger_s` to join this group.
             deadline = time.monotonic() + self.linger_s
             while not self._queue.closed:
-                waiting = sum(len(job.batch.events) for job in self._queue.jobs)
                 left = deadline - time.monotonic()
-                if waiting >= self.linger_events or left <= 0:
+                if self._queue.events >= self.linger_events or left <= 0:
                     break
                 self._cond.wait(left)
             pending = self._queue.jobs
@@ -154,6 +163,7 @@ class Ingestor:
                 group.append(job)
                 n_events += len(job.batch.events)
             del pending[: len(group)]
+            self._queue.events -= n_events
             return group
 
     def _write_loop(self) -> None:

@@ -156,7 +156,7 @@ def run_view(
     if heat is not None:
         rid = quote(run_id, safe="")
         view.heat = RankGrid(heat["ranks"], heat["steps"], heat["z"], block=int(heat["block"]),
-                             links=[f"/runs/{rid}/ranks/{r}" for r in heat["ranks"]])  # fmt: skip
+                             links=[f"/runs/{rid}/ranks/{r}" for r in heat["top_ranks"]])  # fmt: skip
         found = heat["straggler"]
         if found is not None and found["median"]:
             view.straggler = Straggler(rank=found["rank"], mean=found["mean"],

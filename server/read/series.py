@@ -471,8 +471,9 @@ def rank_heatmap(
 
     Returns:
         {"run_id", "metric", "unit", "agg", "block": ranks per row, "rows": [{"label",
-        "first", "last"}], "ranks": [first rank of each row], "steps", "z": [[...] per
-        row], "straggler": {"rank", "host", "steps", "mean", "median", "ratio_to_median"}
+        "first", "last"}], "ranks": [first rank of each row], "top_ranks": [the rank of
+        each row with the highest total of the metric over the steps read], "steps", "z":
+        [[...] per row], "straggler": {"rank", "host", "steps", "mean", "median", "ratio_to_median"}
         | None} (a straggler stands STRAGGLER_THRESHOLD above the median).
     """
     vocabulary.check(metric)
@@ -506,6 +507,7 @@ def rank_heatmap(
     steps = sorted({int(step) for _, step, _ in rows})
     index = {st: i for i, st in enumerate(steps)}
     cells: dict[int, list[list[float]]] = {}
+    totals: dict[int, float] = {}
     for rk, step, v in rows:
         if v is None:
             continue
@@ -513,9 +515,17 @@ def rank_heatmap(
         if row is None:
             row = cells[int(rk) // block] = [[] for _ in steps]
         row[index[int(step)]].append(float(v))
+        totals[int(rk)] = totals.get(int(rk), 0.0) + float(v)
     reduce = max if agg == "max" else statistics.median
     keys = sorted(cells)
     z = [[reduce(c) if c else None for c in cells[b]] for b in keys]
+    # Each row's rank with the most of the metric over the steps read: where a click on a
+    # block's row leads (the rank that makes the block stand out, not its first).
+    top: dict[int, int] = {}
+    for rk, total in totals.items():
+        b = rk // block
+        if b not in top or total > totals[top[b]]:
+            top[b] = rk
     labels = [
         {"label": f"rank {b}" if block == 1 else f"ranks {b * block}-{min(world, (b + 1) * block) - 1}",
          "first": b * block, "last": min(world, (b + 1) * block) - 1}
@@ -535,6 +545,7 @@ def rank_heatmap(
         "block": block,
         "rows": labels,
         "ranks": [b * block for b in keys],
+        "top_ranks": [top[b] for b in keys],
         "steps": steps,
         "z": z,
         "straggler": straggler,
