@@ -5,7 +5,7 @@
   capacity, allocation retries (`num_alloc_retries`: the allocator had to free its cache to
   satisfy a request, a sign of fragmentation) and OOMs. Every read is one
   `memory_stats_as_nested_dict`: `max_memory_allocated` and `memory_reserved` each build
-  and flatten the whole `memory_stats` dict in Python, ~190 us a call on an H100 host
+  and flatten the whole `memory_stats` dict in Python, ~145 us a call on an H100 host
   (measured: bench/agent_overhead.py --cuda), which made the agent cost 25% of a 9 ms step.
 * On CPU: the process RSS at the end of each top-level phase (the peak of those readings
   per phase) and the process's lifetime RSS peak (`ru_maxrss`).
