@@ -20,8 +20,9 @@ How the rollups stay exact:
    run's totals, and clears the marks whose version it read. A rank that arrived meanwhile
    bumped the version: its mark stays and the step is rolled up again, late ranks included.
 3. Readers (`read`) take stored rollups and compute any still-dirty steps in their range on
-   the fly (at most `MAX_LIVE_STEPS`, the newest), so an answer is exact and current even
-   before the compactor ran.
+   the fly (the newest: at most `MAX_LIVE_STEPS`, and `MAX_LIVE_RANK_STEPS` rank-steps), so
+   an answer is exact and current even before the compactor ran, and costs the same at any
+   world size; during a backlog (a recovery storm) older dirty steps wait for the compactor.
 
 Quantiles are linear interpolations between order statistics (numpy's default); ties for
 the min or max name the lowest rank. Several server processes may compact at once: on
@@ -76,6 +77,11 @@ OUTLIER_METRICS = frozenset(
 )
 #: Dirty steps a reader computes itself (the newest); older ones wait for the compactor.
 MAX_LIVE_STEPS = 256
+#: ... and at most this many rank-steps of them: 8 steps of a 4,096-rank run. Bounded in
+#: steps alone, a page read during a recovery storm (thousands of dirty steps) read 256
+#: steps x 4,096 ranks of rows per request, and a few such requests at once took the
+#: server past 12 GB (bench/faults.py, 4,096 ranks).
+MAX_LIVE_RANK_STEPS = 32_768
 N_BUCKETS = len(ev.LATENCY_BUCKETS) + 1
 _CHUNK = 400
 
@@ -277,6 +283,12 @@ def dirty_in(
     return [int(x) for x in conn.execute(select(d.step).where(*conds).order_by(d.step)).scalars()]
 
 
+def live_steps(conn: Connection, pk: int) -> int:
+    """How many dirty steps of run `pk` a reader computes itself (see `read`)."""
+    world = conn.execute(select(m.runs.c.world_size).where(m.runs.c.id == pk)).scalar()
+    return max(1, min(MAX_LIVE_STEPS, MAX_LIVE_RANK_STEPS // max(int(world or 1), 1)))
+
+
 def read(
     conn: Connection,
     pk: int,
@@ -289,9 +301,12 @@ def read(
 ) -> dict[str, dict[int, Stats]]:
     """{metric: {step: Stats}} for run `pk`, current to the last ingested rank-step.
 
-    Stored rollups, with the newest `MAX_LIVE_STEPS` dirty steps of the range computed from
-    the per-rank rows (see the module docstring). `extra=False` leaves the outlier lists
-    and histograms out (they are most of a rollup row's bytes). `metrics=None`: all.
+    Stored rollups, with the newest dirty steps of the range computed from the per-rank
+    rows (see the module docstring): at most `MAX_LIVE_STEPS`, and at most
+    `MAX_LIVE_RANK_STEPS` rank-steps (so a read costs the same at any world size); older
+    dirty steps are left out until the compactor has rolled them up. `extra=False` leaves
+    the outlier lists and histograms out (they are most of a rollup row's bytes).
+    `metrics=None`: all.
     """
     r = m.step_rollups.c
     # The primary key is (run, metric, step): naming the metrics lets a read of some steps
@@ -321,7 +336,7 @@ def read(
     if steps_in is not None:
         keep = set(steps_in)
         dirty = [st for st in dirty if st in keep]
-    fresh = compute(conn, pk, dirty[-MAX_LIVE_STEPS:]) if dirty else {}
+    fresh = compute(conn, pk, dirty[-live_steps(conn, pk) :]) if dirty else {}
     names = list(metrics) if metrics is not None else None
     for step, stats in fresh.items():
         for name in names if names is not None else [*out, *stats]:
@@ -733,6 +748,7 @@ class _Delta:
 
 
 __all__ = [
+    "MAX_LIVE_RANK_STEPS",
     "MAX_LIVE_STEPS",
     "OUTLIER_METRICS",
     "STATS",
@@ -742,6 +758,7 @@ __all__ = [
     "Stats",
     "compute",
     "dirty_in",
+    "live_steps",
     "metric_names",
     "newest_rolled_up",
     "newest_steps",

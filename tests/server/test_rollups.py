@@ -155,3 +155,24 @@ def test_a_settled_step_waits_for_its_missing_ranks_unless_nobody_wrote_to_it_fo
     with db.read() as conn:
         assert rollups.dirty_in(conn, pk) == []
         assert rollups.read(conn, pk, ["step_time_s"])["step_time_s"][0].n == 3
+
+
+def test_a_reader_computes_a_bounded_number_of_rank_steps_of_a_backlog(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ten dirty steps of an 8-rank run and a budget of 24 rank-steps: a reader computes the
+    # newest 3 steps itself (24 // 8) and leaves the older 7 to the compactor, whatever the
+    # step bound (MAX_LIVE_STEPS) would allow. Once compacted, every step is there.
+    monkeypatch.setattr(rollups, "MAX_LIVE_RANK_STEPS", 24)
+    spec = simulate.SimSpec(name="backlog", world_size=8, stage=3)
+    rc = simulate.run_create(spec)
+    pk, _ = store.create_run(db, run=rc)
+    events = [simulate.step_event(spec, r, s) for s in range(10) for r in range(8)]
+    store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, events))
+    with db.read() as conn:
+        assert rollups.live_steps(conn, pk) == 3
+        assert sorted(rollups.read(conn, pk, ["step_time_s"])["step_time_s"]) == [7, 8, 9]
+    rollups.Compactor(db).flush()
+    with db.read() as conn:
+        got = rollups.read(conn, pk, ["step_time_s"])["step_time_s"]
+        assert sorted(got) == list(range(10)) and all(st.n == 8 for st in got.values())
