@@ -84,6 +84,10 @@ MAX_LIVE_STEPS = 256
 MAX_LIVE_RANK_STEPS = 32_768
 N_BUCKETS = len(ev.LATENCY_BUCKETS) + 1
 _CHUNK = 400
+#: ... and at most this many rank-steps a chunk (8 steps at 4,096 ranks): a chunk's rows
+#: are held as dicts with their JSON decoded, and 400 steps of a 4,096-rank run (1.6 million
+#: rows) took the compactor past 7 GB after a recovery storm (bench/faults.py).
+_CHUNK_RANK_STEPS = 32_768
 
 
 @dataclass(slots=True)
@@ -204,10 +208,13 @@ def compute(conn: Connection, pk: int, steps: Iterable[int]) -> dict[int, dict[s
     metric), and each column is summarised with numpy (`_stats_of`)."""
     wanted = sorted(set(steps))
     out: dict[int, dict[str, Stats]] = {}
+    if not wanted:
+        return out
     s, c = m.steps.c, m.collectives.c
     json_cols = {"phases", "parts", "offload", "memory", "scalars"}
-    for i in range(0, len(wanted), _CHUNK):
-        chunk = wanted[i : i + _CHUNK]
+    per_chunk = max(1, min(_CHUNK, _CHUNK_RANK_STEPS // _world_size(conn, pk)))
+    for i in range(0, len(wanted), per_chunk):
+        chunk = wanted[i : i + per_chunk]
         query = select(*(s[n] for n in STEP_COLS)).where(s.run == pk, s.step.in_(chunk))
         newest: dict[tuple[int, int], dict[str, Any]] = {}
         for raw in _raw_rows(conn, query):
@@ -283,10 +290,14 @@ def dirty_in(
     return [int(x) for x in conn.execute(select(d.step).where(*conds).order_by(d.step)).scalars()]
 
 
+def _world_size(conn: Connection, pk: int) -> int:
+    world = conn.execute(select(m.runs.c.world_size).where(m.runs.c.id == pk)).scalar()
+    return max(int(world or 1), 1)
+
+
 def live_steps(conn: Connection, pk: int) -> int:
     """How many dirty steps of run `pk` a reader computes itself (see `read`)."""
-    world = conn.execute(select(m.runs.c.world_size).where(m.runs.c.id == pk)).scalar()
-    return max(1, min(MAX_LIVE_STEPS, MAX_LIVE_RANK_STEPS // max(int(world or 1), 1)))
+    return max(1, min(MAX_LIVE_STEPS, MAX_LIVE_RANK_STEPS // _world_size(conn, pk)))
 
 
 def read(
