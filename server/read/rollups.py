@@ -198,7 +198,9 @@ def _json(value: Any) -> Any:
     return value
 
 
-def compute(conn: Connection, pk: int, steps: Iterable[int]) -> dict[int, dict[str, Stats]]:
+def compute(
+    conn: Connection, pk: int, steps: Iterable[int], *, world: int | None = None
+) -> dict[int, dict[str, Stats]]:
     """The rollups of `steps` of run `pk`, from its per-rank rows (steps without rows are
     absent). A rank with several rows for one step (a restart that replayed step numbers)
     counts once, with its newest.
@@ -212,7 +214,8 @@ def compute(conn: Connection, pk: int, steps: Iterable[int]) -> dict[int, dict[s
         return out
     s, c = m.steps.c, m.collectives.c
     json_cols = {"phases", "parts", "offload", "memory", "scalars"}
-    per_chunk = max(1, min(_CHUNK, _CHUNK_RANK_STEPS // _world_size(conn, pk)))
+    world = world if world is not None else _world_size(conn, pk)
+    per_chunk = max(1, min(_CHUNK, _CHUNK_RANK_STEPS // world))
     for i in range(0, len(wanted), per_chunk):
         chunk = wanted[i : i + per_chunk]
         query = select(*(s[n] for n in STEP_COLS)).where(s.run == pk, s.step.in_(chunk))
@@ -295,9 +298,11 @@ def _world_size(conn: Connection, pk: int) -> int:
     return max(int(world or 1), 1)
 
 
-def live_steps(conn: Connection, pk: int) -> int:
-    """How many dirty steps of run `pk` a reader computes itself (see `read`)."""
-    return max(1, min(MAX_LIVE_STEPS, MAX_LIVE_RANK_STEPS // _world_size(conn, pk)))
+def live_steps(conn: Connection, pk: int, world: int | None = None) -> int:
+    """How many dirty steps of run `pk` (of `world` ranks, else looked up) a reader computes
+    itself (see `read`)."""
+    world = world if world is not None else _world_size(conn, pk)
+    return max(1, min(MAX_LIVE_STEPS, MAX_LIVE_RANK_STEPS // world))
 
 
 def read(
@@ -347,7 +352,10 @@ def read(
     if steps_in is not None:
         keep = set(steps_in)
         dirty = [st for st in dirty if st in keep]
-    fresh = compute(conn, pk, dirty[-live_steps(conn, pk) :]) if dirty else {}
+    fresh: dict[int, dict[str, Stats]] = {}
+    if dirty:
+        world = _world_size(conn, pk)
+        fresh = compute(conn, pk, dirty[-live_steps(conn, pk, world) :], world=world)
     names = list(metrics) if metrics is not None else None
     for step, stats in fresh.items():
         for name in names if names is not None else [*out, *stats]:

@@ -20,13 +20,12 @@ import pytest
 import torch
 from support.engine_scenarios import TINY, ds_config, make_model, micro_batches
 from support.ports import free_port
+from support.probed_comm import probed_comm
 from zerowatch.agent.probes.collectives import CollectiveAggregator
 from zerowatch.agent.spool import read_events, segments
 
 import zerowatch
 from zerowatch import events as ev
-from zerowatch.engine import comm as comm_mod
-from zerowatch.engine.hooks import ObserverRegistry
 
 pytestmark = pytest.mark.gpu
 
@@ -88,16 +87,7 @@ class Work:
 
 @pytest.fixture
 def gpu(cycles_per_ms: float) -> Any:
-    probe = CollectiveAggregator()
-    observers = ObserverRegistry()
-
-    class Observer:
-        def on_collective(self, rec: Any) -> None:
-            probe.record(rec)
-
-    observers.add(Observer())
-    comm = comm_mod.Comm(observers)
-    comm.world_size = 2  # as if in a 2-rank NCCL group; the launches are the stand-ins above
+    comm, probe = probed_comm()  # the launches are the test's stand-ins
     torch.cuda.synchronize()
     yield Device(cycles_per_ms), comm, probe
     torch.cuda.synchronize()

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 import torch
+from support.probed_comm import probed_comm
 from zerowatch.agent.probes.collectives import CollectiveAggregator
 
 from zerowatch.engine import comm as comm_mod
-from zerowatch.engine.hooks import ObserverRegistry
 
 MS = 1e-3
 
@@ -92,16 +92,7 @@ def gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Device, Any, Collecti
     monkeypatch.setattr(torch.cuda, "stream", use)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(comm_mod, "_is_cuda", lambda t: True)
-    probe = CollectiveAggregator()
-    observers = ObserverRegistry()
-
-    class Observer:
-        def on_collective(self, rec: Any) -> None:
-            probe.record(rec)
-
-    observers.add(Observer())
-    comm = comm_mod.Comm(observers)
-    comm.world_size = 2  # as if in a 2-rank NCCL group; launches are scripted below
+    comm, probe = probed_comm()  # the launches are the test's stand-ins
     yield device, comm, probe
 
 
