@@ -285,7 +285,7 @@ class StepRecorder:
             )
             return
         end = self._clock.mark(t)
-        phases = self._timer.take()
+        phases = self._timer.take(self._step_start, end)
         window = self._collectives.take()
         offload, offload_spans = self._offload.take()
         n = self._step - self._job.global_step

@@ -32,9 +32,11 @@ _OPS = frozenset(ev.COLLECTIVE_OPS)
 
 
 class _Agg:
-    __slots__ = ("async_count", "buckets", "count", "lat_max", "lat_sum", "nbytes", "world")
+    __slots__ = ("async_count", "buckets", "count", "lat_max", "lat_sum", "nbytes", "purpose",
+                 "world")  # fmt: skip
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, purpose: str = "other") -> None:
+        self.purpose = purpose
         self.count = 0
         self.nbytes = 0
         self.lat_sum = 0.0
@@ -61,6 +63,9 @@ class CollectiveWindow:
     """One step's collectives; CUDA-timed calls are resolved when `ready()`."""
 
     aggs: dict[tuple[str, str], _Agg] = field(default_factory=dict)
+    #: op -> purpose as reported -> its aggregate in `aggs` (a purpose outside the
+    #: vocabulary maps to the op's "other"): two lookups per call, no key tuple built.
+    by_op: dict[str, dict[str, _Agg]] = field(default_factory=dict)
     pending_cuda: list[Any] = field(default_factory=list)
     exposed_s: float = 0.0
     #: (start, end) host times of the calls timed on the host.
@@ -115,7 +120,7 @@ def _add(
     key = (op, purpose)
     agg = aggs.get(key)
     if agg is None:
-        agg = aggs[key] = _Agg(world)
+        agg = aggs[key] = _Agg(world, purpose)
     agg.add(nbytes, latency, async_op)
 
 
@@ -125,7 +130,7 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     for a, b in sorted(intervals):
         if b <= reach:
             continue
-        total += b - max(a, reach)
+        total += b - (a if a > reach else reach)
         reach = b
     return total
 
@@ -185,42 +190,56 @@ class CollectiveAggregator:
         records = pending[:]
         del pending[: len(records)]  # (records appended meanwhile by another thread stay)
         w = self._window
-        aggs, intervals, buckets_of = w.aggs, w.intervals, ev.LATENCY_BUCKETS
-        spans = w.spans
+        by_op, intervals, buckets_of = w.by_op, w.intervals, ev.LATENCY_BUCKETS
+        spans, max_spans = w.spans, self._max_spans
+        exposed_s = w.exposed_s
         for rec in records:
-            op, purpose = rec.op, rec.purpose
-            if op not in _OPS:
-                self.unknown_ops += 1
-                continue
-            if purpose not in _PURPOSES:
-                purpose = "other"
-            nbytes, async_op = int(rec.nbytes), bool(rec.async_op)
+            try:
+                agg = by_op[rec.op][rec.purpose]
+            except KeyError:
+                new = self._agg_of(w, rec)
+                if new is None:
+                    continue
+                agg = new
             start, end = rec.start, rec.end
             if rec.cuda_events is not None:
                 w.pending_cuda.append(rec)
             else:
-                agg = aggs.get((op, purpose))
-                if agg is None:
-                    agg = aggs[op, purpose] = _Agg(int(rec.world_size))
                 latency = end - start
                 if latency < 0.0:
                     latency = 0.0
                 agg.count += 1
-                agg.nbytes += nbytes
+                agg.nbytes += int(rec.nbytes)
                 agg.lat_sum += latency
                 if latency > agg.lat_max:
                     agg.lat_max = latency
                 agg.buckets[bisect_left(buckets_of, latency)] += 1
-                if async_op:
+                if rec.async_op:
                     agg.async_count += 1
                 intervals.append((start, end))
             # On CUDA the exposed time is the compute stream's stall, read with the events.
             if rec.cuda_exposed is None:
                 exposed = rec.exposed_s
                 if exposed > 0.0:
-                    w.exposed_s += float(exposed)
-            if spans is not None and len(spans) < self._max_spans:
-                spans.append((op, purpose, nbytes, async_op, start, end))
+                    exposed_s += float(exposed)
+            if spans is not None and len(spans) < max_spans:
+                spans.append((rec.op, agg.purpose, int(rec.nbytes), bool(rec.async_op),
+                              start, end))  # fmt: skip
+        w.exposed_s = exposed_s
+
+    def _agg_of(self, w: CollectiveWindow, rec: Any) -> _Agg | None:
+        """The aggregate a record of a new (op, purpose) adds to, now in `w.by_op`; None
+        (counted) for an op outside the vocabulary."""
+        op, purpose = rec.op, rec.purpose
+        if op not in _OPS:
+            self.unknown_ops += 1
+            return None
+        key = (op, purpose if purpose in _PURPOSES else "other")
+        agg = w.aggs.get(key)
+        if agg is None:
+            agg = w.aggs[key] = _Agg(int(rec.world_size), key[1])
+        w.by_op.setdefault(op, {})[purpose] = agg
+        return agg
 
 
 __all__ = ["CollectiveAggregator", "CollectiveWindow"]

@@ -24,7 +24,10 @@ clock mark (on the host, the float the engine passed). A callback therefore allo
 nothing and touches the fewest objects, which is what it costs between the engine's
 kernels, which evict the CPU's caches. `take()` pairs the step's boundaries into intervals
 and lays out the edges of the outermost ones in the order they happened, so the exclusive
-parts are one pass over them (no sort) once their marks are known.
+parts are one pass over them (no sort) once their marks are known. On the host the marks
+are known at once: given the step's first and last marks, `take()` pairs, sums and cuts the
+step in that same single pass over the log (the marks are floats already), and the
+recorder's step end costs one loop over the boundaries instead of three.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ _PART_OF = {
 #: Part names by priority (0: other).
 _BY_PRIORITY = ["other", *(part for part, _ in sorted(set(_PART_OF.values()), key=lambda x: x[1]))]
 _TOP_DOWN = range(len(_BY_PRIORITY) - 1, 0, -1)
+#: The part that owns an instant, by the mask of the priorities open then: its highest bit
+#: (a list index in the one-pass cut, where `int.bit_length` would be a call per edge).
+_OWNER = [0] + [mask.bit_length() - 1 for mask in range(1, 1 << len(_BY_PRIORITY))]
 
 
 def _sweep(
@@ -184,9 +190,14 @@ class PhaseWindow:
         self.clock = clock
         self.codes = codes if codes is not None else PhaseCodes()
         self._iv: list[Any] = intervals if intervals is not None else []
-        self._edges: list[Any] = edges if edges is not None else []
+        self._edges: list[Any] | None = edges if edges is not None else []
         #: Host marks are the times themselves: always ready, subtracted directly.
         self._on_host = isinstance(clock, HostClock)
+        #: Set by `PhaseTimer.take(step_start, step_end)` on the host: the totals, and the
+        #: parts of that step (for those very arguments), computed while pairing.
+        self._totals: dict[str, float] | None = None
+        self._parts_for: tuple[Any, float] | None = None
+        self._parts: dict[str, float] | None = None
 
     @property
     def intervals(self) -> list[tuple[str, Any, Any, bool]]:
@@ -202,6 +213,8 @@ class PhaseWindow:
 
     def totals(self) -> dict[str, float]:
         """Seconds per phase, plus `backward_inner` when backward ran."""
+        if self._totals is not None:
+            return dict(self._totals)
         iv = self._iv
         seconds = None if self._on_host else self.clock.seconds
         sums = [0.0] * len(self.codes.names)
@@ -223,8 +236,12 @@ class PhaseWindow:
 
     def parts(self, step_start: Any, step_s: float) -> dict[str, float]:
         """The step's exclusive parts (`exclusive_parts`), `step_start` its clock mark."""
+        if self._parts is not None and self._parts_for == (step_start, step_s):
+            return dict(self._parts)
         seconds = self.clock.seconds
-        if self._on_host:
+        if self._edges is None:  # resolved in one pass, asked about another step
+            out = None
+        elif self._on_host:
             out = _sweep(self._edges, step_s, None, float(step_start))
         else:
             out = _sweep(self._edges, step_s, lambda mark: seconds(step_start, mark))
@@ -257,6 +274,7 @@ class PhaseTimer:
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
         self._mark = clock.mark
+        self._on_host = isinstance(clock, HostClock)
         self.codes = PhaseCodes()
         #: code, mark, code, mark, ... per boundary, in order; one list for the timer's life.
         self.log: list[Any] = []
@@ -278,7 +296,115 @@ class PhaseTimer:
         self.push(code)
         self.push(self._mark(t))
 
-    def take(self) -> PhaseWindow:
+    def take(self, step_start: Any = None, step_end: Any = None) -> PhaseWindow:
+        """The intervals logged since the last `take()`, paired.
+
+        Args:
+            step_start, step_end: the step's first and last clock marks. On the host clock
+                the window then also carries its totals and the step's parts, computed in
+                the pairing pass (`PhaseWindow.parts(step_start, max(step_end - step_start,
+                0))` returns them); on CUDA they are resolved when the marks are ready.
+        """
+        # (Phases carried over from the last window take the long way.)
+        if (
+            self._on_host
+            and step_start is not None
+            and step_end is not None
+            and not any(self._open)
+        ):
+            window = self._take_resolved(float(step_start), float(step_end))
+            if window is not None:
+                return window
+        return self._take_paired()
+
+    def _take_resolved(self, origin: float, end: float) -> PhaseWindow | None:
+        """`take()` and then `totals()` and `parts(origin, step_s)`, in one pass over the
+        host marks; None (and nothing consumed) when a phase is still open at the end or
+        the marks do not run forward: the general path handles those."""
+        codes = self.codes
+        priority = codes.priority
+        n_phases = len(codes.names)
+        depth = [0] * n_phases  # open starts per phase index
+        outer = [0.0] * n_phases  # the outermost open start's mark
+        sums = [0.0] * n_phases
+        seen = [False] * n_phases
+        backward, grad_reduce = codes.backward, codes.grad_reduce
+        reduce_in_backward = 0.0
+        intervals: list[Any] = []
+        # The cut (`_sweep`), edge by edge as the outermost intervals open and close.
+        counts = [0] * len(_BY_PRIORITY)
+        cut = [0.0] * len(_BY_PRIORITY)
+        owner = _OWNER
+        mask = 0
+        prev = 0.0
+        step_s = end - origin
+        if step_s < 0.0:
+            step_s = 0.0
+        log = self.log
+        n = len(log) & ~1  # (whole boundaries: code, mark)
+        it = iter(log[:n])
+        for code, mark in zip(it, it, strict=True):
+            i = code >> 1
+            d = depth[i]
+            if code & 1:  # an end
+                if not d:  # (without a start, attached mid-phase: nothing to time)
+                    continue
+                depth[i] = d - 1
+                if d > 1:  # (nested in the same phase: the outer interval counts)
+                    continue
+                start = outer[i]
+                in_backward = depth[backward] > 0
+                intervals += (i, start, mark, in_backward)
+                seconds = mark - start
+                if seconds > 0.0:
+                    sums[i] += seconds
+                    if in_backward and i == grad_reduce:
+                        reduce_in_backward += seconds
+                seen[i] = True
+                p = -priority[i]
+            else:
+                depth[i] = d + 1
+                if d:
+                    continue
+                outer[i] = mark
+                p = priority[i]
+            if not p:
+                continue
+            t = mark - origin
+            if t > step_s:
+                t = step_s
+            elif t < 0.0:
+                t = 0.0
+            if t > prev:
+                cut[owner[mask]] += t - prev
+                prev = t
+            elif t < prev:
+                return None
+            if p > 0:
+                counts[p] += 1
+                mask |= 1 << p
+            else:
+                counts[-p] -= 1
+                if counts[-p] <= 0:
+                    counts[-p] = 0
+                    mask &= ~(1 << -p)
+        if any(depth):  # still open: timed in the window where they end
+            return None
+        if step_s > prev:
+            cut[owner[mask]] += step_s - prev
+        del log[:n]
+        window = PhaseWindow(self.clock, codes, intervals)
+        window._edges = None  # (no edges laid out: another step's parts sort the intervals)
+        names = codes.names
+        totals = {names[i]: sums[i] for i in range(n_phases) if seen[i]}
+        if "backward" in totals:
+            totals["backward_inner"] = max(totals["backward"] - reduce_in_backward, 0.0)
+        window._totals = totals
+        window._parts_for = (origin, step_s)
+        window._parts = _as_parts(cut)
+        return window
+
+    def _take_paired(self) -> PhaseWindow:
         codes = self.codes
         priority = codes.priority
         open_ = self._open

@@ -62,3 +62,47 @@ def test_phase_window_parts_from_the_timer_marks() -> None:
     assert parts["exposed_param_gather"] == pytest.approx(0.3)
     assert parts["optimizer_step"] == pytest.approx(0.2)
     assert parts["other"] == pytest.approx(1.3)  # 0-0.5, 1.0-1.2, 1.4-2.0
+
+
+#: Boundaries of one step: (start?, phase, time). Nested in itself, grad_reduce inside and
+#: after backward, an end without a start, an offload inside a gather.
+_STEP = [
+    (False, "forward", 100.05),  # attached mid-phase: not timed
+    (True, "forward", 100.1), (True, "param_gather", 100.2), (True, "offload_h2d", 100.25),
+    (False, "offload_h2d", 100.3), (False, "param_gather", 100.4), (False, "forward", 100.5),
+    (True, "backward", 100.6), (True, "grad_reduce", 100.7), (True, "grad_reduce", 100.75),
+    (False, "grad_reduce", 100.8), (False, "grad_reduce", 100.9), (False, "backward", 101.2),
+    (True, "grad_reduce", 101.2), (False, "grad_reduce", 101.3),
+    (True, "optimizer_step", 101.4), (False, "optimizer_step", 101.8),
+]  # fmt: skip
+
+
+def _logged(boundaries: list[tuple[bool, str, float]]) -> PhaseTimer:
+    timer = PhaseTimer(HostClock())
+    for is_start, phase, t in boundaries:
+        (timer.start if is_start else timer.end)(phase, t)
+    return timer
+
+
+@pytest.mark.parametrize(
+    "boundaries",
+    [
+        _STEP,
+        _STEP[:-1],  # optimizer_step still open at the end: it is timed in the next window
+        [*_STEP[:3], (False, "param_gather", 100.15), *_STEP[3:]],  # an end before its start
+        [(True, "forward", 99.5), *_STEP, (True, "backward", 102.5), (False, "backward", 103.0)],
+    ],
+    ids=["step", "still-open", "out-of-order", "beyond-the-step"],
+)
+def test_a_window_resolved_while_pairing_matches_pairing_then_cutting(
+    boundaries: list[tuple[bool, str, float]],
+) -> None:
+    step_start, step_end = 100.0, 102.0
+    resolved = _logged(boundaries).take(step_start, step_end)
+    paired = _logged(boundaries).take()
+    assert resolved.intervals == paired.intervals
+    assert resolved.totals() == paired.totals()
+    assert resolved.parts(step_start, 2.0) == paired.parts(step_start, 2.0)
+    assert sum(resolved.parts(step_start, 2.0).values()) == pytest.approx(2.0)
+    # Asked about another step than the one it was resolved for, it cuts that one.
+    assert resolved.parts(100.5, 1.0) == pytest.approx(paired.parts(100.5, 1.0))
