@@ -24,6 +24,7 @@ not SQL NULL), so every reader sees the same documents.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,12 +35,18 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 
 def json_text(value: Any) -> str:
-    """A JSON column's text: orjson, or the standard library for what orjson refuses (an
-    integer beyond 64 bits)."""
+    """A JSON column's text: orjson (a dataclass as the dict of its fields), or the standard
+    library for what orjson refuses (an integer beyond 64 bits)."""
     try:
         return orjson.dumps(value).decode()
     except TypeError:
-        return json.dumps(value, separators=(",", ":"))
+        return json.dumps(value, separators=(",", ":"), default=_fields)
+
+
+def _fields(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
 
 
 class TupleInsert:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from zerowatch.server import store
 from zerowatch.server.db import Database
+from zerowatch.server.read import fresh
 
 from zerowatch import events as ev
 
@@ -72,6 +73,7 @@ class Ingestor:
         linger_events: int = 1024,
     ) -> None:
         self.db = db
+        self.fresh = fresh.of(db.engine)
         self.trace_sample_every = trace_sample_every
         self.max_group = max_group
         self.max_group_events = max_group_events
@@ -168,8 +170,9 @@ class Ingestor:
 
     def _write_loop(self) -> None:
         while (group := self._take()) is not None:
+            kept: list[store.StoredRankStep] | None = None
             try:
-                self._write_group(group)
+                kept = self._write_group(group)
             except BaseException:
                 # The group failed as a whole: retry each batch alone.
                 for job in group:
@@ -179,9 +182,24 @@ class Ingestor:
                     _answer(group)
                 except Exception:  # never leave the writer dead with requests waiting
                     log.exception("answering an ingest group")
+            if kept:
+                self._keep(kept)
 
-    def _write_group(self, group: list[_Job]) -> None:
+    def _keep(self, kept: list[store.StoredRankStep]) -> None:
+        """Hand the group's committed rank-steps to the compactor's cache (read/fresh.py),
+        after their requests were answered."""
+        try:
+            self.fresh.add(
+                [row for row, _ in kept], [colls for _, colls in kept],
+                row_columns=store.STEP_COLUMNS, coll_columns=store.COLLECTIVE_COLUMNS,
+            )  # fmt: skip
+        except Exception:  # a shortcut for the compactor: never worth the writer's life
+            log.exception("keeping fresh rank-steps")
+
+    def _write_group(self, group: list[_Job]) -> list[store.StoredRankStep]:
+        """Write the group in one transaction; returns its newly stored rank-steps."""
         now = time.time()
+        kept: list[store.StoredRankStep] = []
         with self.db.write() as conn:
             refs: dict[str, store.RunRef | None] = {}
             items: list[tuple[store.RunRef, ev.EventBatch]] = []
@@ -192,7 +210,9 @@ class Ingestor:
                 if ref is not None:
                     items.append((ref, job.batch))
             outcomes = iter(
-                store.ingest_many(conn, items, now=now, trace_sample_every=self.trace_sample_every)
+                store.ingest_many(
+                    conn, items, now=now, trace_sample_every=self.trace_sample_every, kept=kept
+                )
             )
         for job in group:
             if refs[job.run_id] is None:
@@ -205,6 +225,7 @@ class Ingestor:
                 job.result, job.error = out, None
         self.groups += 1
         self.batches += len(group)
+        return kept
 
     def _write_alone(self, job: _Job) -> None:
         try:

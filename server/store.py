@@ -13,9 +13,7 @@ field, before anything is written.
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +31,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from zerowatch.server import models as m
 from zerowatch.server.bulk import TupleInsert
 from zerowatch.server.db import Database
+from zerowatch.server.read import fresh
 
 from zerowatch import events as ev
 
@@ -78,6 +77,11 @@ class IngestResult:
     #: The run's status after the batch ("running", "finished" or "failed").
     status: str = "running"
     last_event_at: float | None = None
+
+
+#: A newly stored rank-step: its steps row and its collectives rows (tuples in the order of
+#: STEP_COLUMNS and COLLECTIVE_COLUMNS; JSON columns as Python values).
+StoredRankStep = tuple[tuple[Any, ...], list[tuple[Any, ...]]]
 
 
 def _insert(conn: Connection, table: Any) -> Any:
@@ -200,7 +204,8 @@ def delete_run(db: Database, *, run_id: str) -> bool:
         ):  # fmt: skip
             conn.execute(delete(table).where(table.c.run == ref.pk))
         conn.execute(delete(m.runs).where(m.runs.c.id == ref.pk))
-        return True
+    fresh.of(db.engine).forget_run(ref.pk)
+    return True
 
 
 # -- ingest -------------------------------------------------------------------------------
@@ -234,7 +239,7 @@ def validate_batch(batch: ev.EventBatch, *, run_id: str, world_size: int) -> Non
                     f"expected {N_BUCKETS} counts (one per LATENCY_BUCKETS bucket, +Inf last), "
                     f"got {len(c.buckets)}",
                 )
-            if c.count < 0 or c.bytes < 0 or any(b < 0 for b in c.buckets):
+            if c.count < 0 or c.bytes < 0 or min(c.buckets) < 0:
                 raise BatchError((*loc, "collectives", j), "count, bytes and buckets must be >= 0")
 
 
@@ -264,7 +269,9 @@ def _step_row(pk: int, e: ev.StepEvent) -> tuple[Any, ...]:
         }
         for o in e.offload
     }
-    memory = _as_dict(e.memory) if e.memory is not None else {}
+    # The dataclass itself: the JSON column writes it as the dict of its fields (orjson
+    # serialises dataclasses natively), and rank_table reads its fields.
+    memory: ev.MemoryStats | dict[str, Any] = e.memory if e.memory is not None else {}
     return (
         pk, e.rank, e.seq, e.step, e.time, e.step_time_s, e.exposed_comm_s, e.grad_norm,
         e.clipped, e.loss, e.loss_scale, e.skipped, e.nonfinite, e.lr, e.samples, e.tokens,
@@ -273,19 +280,18 @@ def _step_row(pk: int, e: ev.StepEvent) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
-_FIELD_NAMES = {
-    cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in (ev.MemoryStats, ev.Span)
-}
-
-
-def _as_dict(obj: ev.MemoryStats | ev.Span) -> dict[str, Any]:
-    """A flat event record as a dict for a JSON column: what dataclasses.asdict gives for
-    these, without its deep copy of every value (which was half of the ingest's CPU time)."""
-    return {name: getattr(obj, name) for name in _FIELD_NAMES[type(obj)]}
-
-
-def _collective_rows(pk: int, e: ev.StepEvent) -> Iterable[tuple[Any, ...]]:
+def _collective_rows(pk: int, e: ev.StepEvent) -> list[tuple[Any, ...]]:
+    # The usual case: one record per (op, purpose), its bandwidths filled in by the agent.
+    unique = len({(c.op, c.purpose) for c in e.collectives}) == len(e.collectives)
+    if unique and all(c.algbw_bytes_per_s and c.busbw_bytes_per_s for c in e.collectives):
+        return [
+            (pk, e.rank, e.seq, c.op, c.purpose, e.step, c.count, c.bytes, c.latency_sum_s,
+             c.latency_max_s, c.buckets, c.world_size, c.algbw_bytes_per_s,
+             c.busbw_bytes_per_s, c.async_count)
+            for c in e.collectives
+        ]  # fmt: skip
     by_key: dict[tuple[str, str], list[ev.CollectiveStats]] = {}
+    rows = []
     for c in e.collectives:
         by_key.setdefault((c.op, c.purpose), []).append(c)
     for (op, purpose), cs in by_key.items():
@@ -301,11 +307,12 @@ def _collective_rows(pk: int, e: ev.StepEvent) -> Iterable[tuple[Any, ...]]:
                 buckets=[sum(b) for b in zip(*(x.buckets for x in cs), strict=True)],
                 async_count=sum(x.async_count for x in cs),
             )  # fmt: skip
-        yield (
+        rows.append((
             pk, e.rank, e.seq, op, purpose, e.step, c.count, c.bytes, c.latency_sum_s,
             c.latency_max_s, c.buckets, c.world_size, c.algbw_bytes_per_s,
             c.busbw_bytes_per_s, c.async_count,
-        )  # fmt: skip
+        ))  # fmt: skip
+    return rows
 
 
 class _Statements:
@@ -442,8 +449,12 @@ def ingest_many(
     *,
     trace_sample_every: int,
     now: float,
+    kept: list[StoredRankStep] | None = None,
 ) -> list[IngestResult | BatchError]:
     """Write several batches inside the caller's transaction, with one statement per table.
+
+    `kept`, when given, gets the rows of every newly stored rank-step (the ingest writer
+    hands them to read/fresh.py once the transaction is committed).
 
     Each batch is validated first: a bad one gets its BatchError in the returned list and
     writes nothing; the others are written together (their rows in one multi-row INSERT per
@@ -486,13 +497,18 @@ def ingest_many(
     if owners:
         rows = [_step_row(pk, e) for (pk, _, _), (_, e) in owners.items()]
         stored = {(r[0], r[1], r[2]) for r in st.insert(conn, "steps", rows)}
-        for key, (res, e) in owners.items():
+        new_rows = []
+        for row, (key, (res, e)) in zip(rows, owners.items(), strict=True):
             if key in stored:
                 res.new_steps.append(e)
                 new.append((key[0], e))
+                new_rows.append(row)
             else:
                 res.duplicates += 1
-        _write_details(conn, st, new, trace_sample_every)
+        coll_rows = [_collective_rows(pk, e) for pk, e in new]
+        if kept is not None:
+            kept.extend(zip(new_rows, coll_rows, strict=True))
+        _write_details(conn, st, new, coll_rows, trace_sample_every)
         _bump_ranks(conn, st, new)
         _mark_dirty(conn, st, new, now)
 
@@ -529,13 +545,17 @@ def _times(r: IngestResult) -> list[float]:
 
 
 def _write_details(
-    conn: Connection, st: _Statements, new: list[tuple[int, ev.StepEvent]], trace_sample_every: int
+    conn: Connection,
+    st: _Statements,
+    new: list[tuple[int, ev.StepEvent]],
+    coll_rows: list[list[tuple[Any, ...]]],
+    trace_sample_every: int,
 ) -> None:
-    coll_rows = [row for pk, e in new for row in _collective_rows(pk, e)]
-    if coll_rows:
-        st.insert(conn, "collectives", coll_rows)
+    flat = [row for rows in coll_rows for row in rows]
+    if flat:
+        st.insert(conn, "collectives", flat)
     span_rows = [
-        (pk, e.rank, e.seq, e.step, [_as_dict(s) for s in e.spans])
+        (pk, e.rank, e.seq, e.step, e.spans)
         for pk, e in new
         if e.spans and e.step % trace_sample_every == 0
     ]
@@ -615,10 +635,13 @@ def _settle_status(conn: Connection, ref: RunRef, *, now: float) -> str:
 
 
 __all__ = [
+    "COLLECTIVE_COLUMNS",
+    "STEP_COLUMNS",
     "BatchError",
     "IngestResult",
     "RunGone",
     "RunRef",
+    "StoredRankStep",
     "check_schema_version",
     "create_run",
     "delete_run",

@@ -1,7 +1,8 @@
 """Reads: the one read model every page, API route, /metrics, alert input and the doctor use.
 
 Each module is one concept: `vocabulary` (metric names, units, how a rank-step's value is
-read), `rollups` (per-step statistics over ranks and their compactor), `runs` (the run
+read), `rollups` (per-step statistics over ranks and their compactor), `fresh` (the
+metric columns of rank-steps this process just stored: the compactor's shortcut), `runs` (the run
 resource, ranks and hosts, recent figures), `series` (a metric over steps: rank statistics
 or selected ranks; breakdown, heatmap, outliers), `compare` (runs side by side) and `trace`
 (Chrome-trace export). Functions are keyword-only, take the `Database` as `db` and return

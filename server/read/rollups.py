@@ -52,6 +52,7 @@ import orjson
 from sqlalchemy import Connection, and_, delete, func, select, text, tuple_
 from zerowatch.server import models as m
 from zerowatch.server.db import Database
+from zerowatch.server.read import fresh
 from zerowatch.server.read.vocabulary import rank_table
 
 from zerowatch import events as ev
@@ -205,64 +206,106 @@ def compute(
     absent). A rank with several rows for one step (a restart that replayed step numbers)
     counts once, with its newest.
 
-    Rows are read as the driver returns them (no per-value result processing), each
-    step's metrics come from `vocabulary.rank_table` (a column over its ranks for each
-    metric), and each column is summarised with numpy (`_stats_of`)."""
+    A step whose newest rows this process's writer just stored is computed from the metric
+    columns it kept (fresh.py: the database is asked only which (rank, seq) it holds);
+    any other from the rows, read as the driver returns them (no per-value result
+    processing), each step's metrics from `vocabulary.rank_table` (a column over its ranks
+    for each metric). Either way each column is summarised with numpy (`_stats_of`)."""
     wanted = sorted(set(steps))
     out: dict[int, dict[str, Stats]] = {}
     if not wanted:
         return out
-    s, c = m.steps.c, m.collectives.c
-    json_cols = {"phases", "parts", "offload", "memory", "scalars"}
+    s = m.steps.c
+    cache = fresh.of(conn.engine)
     world = world if world is not None else _world_size(conn, pk)
     per_chunk = max(1, min(_CHUNK, _CHUNK_RANK_STEPS // world))
     for i in range(0, len(wanted), per_chunk):
         chunk = wanted[i : i + per_chunk]
-        query = select(*(s[n] for n in STEP_COLS)).where(s.run == pk, s.step.in_(chunk))
-        newest: dict[tuple[int, int], dict[str, Any]] = {}
-        for raw in _raw_rows(conn, query):
-            r = dict(zip(STEP_COLS, raw, strict=True))
-            key = (r["step"], r["rank"])
-            if key not in newest or r["seq"] > newest[key]["seq"]:
-                newest[key] = r
-        colls: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
-        query = select(*(c[n] for n in _COLL_COLS)).where(
-            c.run == pk, c.op.in_(ev.COLLECTIVE_OPS), c.step.in_(chunk)
-        )
-        for raw in _raw_rows(conn, query):
-            cr = dict(zip(_COLL_COLS, raw, strict=True))
-            colls[(cr["rank"], cr["seq"])].append(cr)
-        per_step: dict[int, list[tuple[int, dict[str, Any], Any]]] = defaultdict(list)
-        # Per step and op: the ranks' histogram buckets and latency sums, added up below.
-        hists: dict[int, dict[str, tuple[list[Any], list[float]]]] = defaultdict(dict)
-        for (step, rank), r in sorted(newest.items()):
-            for col in json_cols:
-                r[col] = _json(r[col])
-            cs = colls.get((rank, r["seq"]), ())
-            per_step[step].append((rank, r, cs))
-            for cr in cs:
-                h = hists[step].get(cr["op"])
-                if h is None:
-                    h = hists[step][cr["op"]] = ([], [])
-                h[0].append(_json(cr["buckets"])[:N_BUCKETS])
-                h[1].append(cr["latency_sum_s"])
-        for step, rows in per_step.items():
-            ranks = np.array([rank for rank, _, _ in rows], dtype=np.int64)
-            table = rank_table([r for _, r, _ in rows], [cs for _, _, cs in rows])
-            stats: dict[str, Stats] = {}
-            for name, column in table.items():
-                st = _stats_of(column, ranks, ends=name in OUTLIER_METRICS)
-                if st is not None:
-                    stats[name] = st
-            for op, (buckets, sums) in hists[step].items():
-                lat = stats.get(f"collective.{op}.latency_s")
-                if lat is not None:
-                    counts = np.zeros(N_BUCKETS, dtype=np.int64)
-                    for b in buckets:  # a short list (an old row) counts what it has
-                        counts[: len(b)] += b
-                    lat.extra["hist"] = counts.tolist()
-                    lat.extra["sum"] = math.fsum(sums)
-            out[step] = stats
+        from_rows = chunk
+        if len(cache):
+            newest: dict[int, dict[int, int]] = defaultdict(dict)
+            query = select(s.step, s.rank, s.seq).where(s.run == pk, s.step.in_(chunk))
+            for step, rank, seq in _raw_rows(conn, query):
+                held = newest[step]
+                if held.get(rank, -1) < seq:
+                    held[rank] = seq
+            from_rows = []
+            for step in chunk:
+                ranks = newest.get(step)
+                entries = cache.lookup(pk, step, ranks) if ranks else None
+                if entries is None:
+                    if ranks:
+                        from_rows.append(step)
+                    continue
+                cols, hists = fresh.columns(entries)
+                ranks_a = np.array([rank for rank, _ in entries], dtype=np.int64)
+                out[step] = _summarize_columns(cols, ranks_a, hists)
+        if from_rows:
+            out.update(_compute_from_rows(conn, pk, from_rows))
+    return dict(sorted(out.items()))
+
+
+def _summarize_columns(
+    table: dict[str, np.ndarray], ranks: np.ndarray, hists: dict[str, tuple[list[int], float]]
+) -> dict[str, Stats]:
+    """A step's Stats from its metric columns over `ranks` (ascending) and, per collective
+    op, its latency histogram summed over ranks and the sum of the ranks' latencies."""
+    stats: dict[str, Stats] = {}
+    for name, column in table.items():
+        st = _stats_of(column, ranks, ends=name in OUTLIER_METRICS)
+        if st is not None:
+            stats[name] = st
+    for op, (counts, total) in hists.items():
+        lat = stats.get(f"collective.{op}.latency_s")
+        if lat is not None:
+            lat.extra["hist"] = counts
+            lat.extra["sum"] = total
+    return stats
+
+
+def _compute_from_rows(conn: Connection, pk: int, chunk: list[int]) -> dict[int, dict[str, Stats]]:
+    """`compute` of a chunk of steps from their rows."""
+    s, c = m.steps.c, m.collectives.c
+    json_cols = {"phases", "parts", "offload", "memory", "scalars"}
+    out: dict[int, dict[str, Stats]] = {}
+    query = select(*(s[n] for n in STEP_COLS)).where(s.run == pk, s.step.in_(chunk))
+    newest: dict[tuple[int, int], dict[str, Any]] = {}
+    for raw in _raw_rows(conn, query):
+        r = dict(zip(STEP_COLS, raw, strict=True))
+        key = (r["step"], r["rank"])
+        if key not in newest or r["seq"] > newest[key]["seq"]:
+            newest[key] = r
+    colls: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
+    query = select(*(c[n] for n in _COLL_COLS)).where(
+        c.run == pk, c.op.in_(ev.COLLECTIVE_OPS), c.step.in_(chunk)
+    )
+    for raw in _raw_rows(conn, query):
+        cr = dict(zip(_COLL_COLS, raw, strict=True))
+        colls[(cr["rank"], cr["seq"])].append(cr)
+    per_step: dict[int, list[tuple[int, dict[str, Any], Any]]] = defaultdict(list)
+    # Per step and op: the ranks' histogram buckets and latency sums, added up below.
+    hists: dict[int, dict[str, tuple[list[Any], list[float]]]] = defaultdict(dict)
+    for (step, rank), r in sorted(newest.items()):
+        for col in json_cols:
+            r[col] = _json(r[col])
+        cs = colls.get((rank, r["seq"]), ())
+        per_step[step].append((rank, r, cs))
+        for cr in cs:
+            h = hists[step].get(cr["op"])
+            if h is None:
+                h = hists[step][cr["op"]] = ([], [])
+            h[0].append(_json(cr["buckets"])[:N_BUCKETS])
+            h[1].append(cr["latency_sum_s"])
+    for step, rows in per_step.items():
+        ranks = np.array([rank for rank, _, _ in rows], dtype=np.int64)
+        table = rank_table([r for _, r, _ in rows], [cs for _, _, cs in rows])
+        summed: dict[str, tuple[list[int], float]] = {}
+        for op, (buckets, sums) in hists[step].items():
+            counts = np.zeros(N_BUCKETS, dtype=np.int64)
+            for b in buckets:  # a short list (an old row) counts what it has
+                counts[: len(b)] += b
+            summed[op] = (counts.tolist(), math.fsum(sums))
+        out[step] = _summarize_columns(table, ranks, summed)
     return out
 
 
@@ -546,8 +589,10 @@ class Compactor:
                     )
                     for pk, items in by_run.items()
                 }
+            cache = fresh.of(self.db.engine)
             for pk, items in by_run.items():
                 self._write(pk, items, computed[pk], horizons[pk])
+                cache.discard(pk, [st for st, _ in items])
             self.compacted += len(marks)
             return len(marks)
 

@@ -252,11 +252,17 @@ class _Table:
 
 
 def rank_table(
-    rows: Sequence[Mapping[str, Any]], colls: Sequence[Iterable[Mapping[str, Any]]]
+    rows: Sequence[Any],
+    colls: Sequence[Iterable[Any]],
+    *,
+    row_index: Mapping[str, int] | None = None,
+    coll_index: Mapping[str, int] | None = None,
 ) -> dict[str, np.ndarray]:
     """Every metric of several rank-steps at once: {metric: float64 array}, one entry per
     rank-step, NaN where it has no finite value. `rows[i]` is a steps row (a mapping by
-    column name, JSON columns decoded), `colls[i]` its collectives rows.
+    column name, JSON columns decoded), `colls[i]` its collectives rows. With `row_index`
+    / `coll_index` ({column: position}) the rows are tuples instead (the ingest writer's,
+    read/fresh.py).
 
     The one definition of a rank-step's metrics (`rank_values` is this for one row). The
     compactor calls it with a step's thousands of rows: each column is converted to an
@@ -264,22 +270,28 @@ def rank_table(
     in one block, instead of one Python operation per value."""
     n = len(rows)
     t = _Table(n)
+
+    def column(name: str) -> list[Any]:
+        key: Any = name if row_index is None else row_index[name]
+        return [r[key] for r in rows]
+
     for name in _PLAIN:
-        t.cols[name] = _floats([r[name] for r in rows])
-    step = np.array([float(r["step_time_s"]) for r in rows])
-    exposed = np.array([float(r["exposed_comm_s"]) for r in rows])
+        t.cols[name] = _floats(column(name))
+    step = np.array(column("step_time_s"), dtype=float)
+    exposed = np.array(column("exposed_comm_s"), dtype=float)
     t.cols["busy_s"] = _floats((step - exposed).tolist())
     for flag in ("skipped", "nonfinite", "clipped"):
-        t.cols[flag] = np.array([1.0 if r[flag] else 0.0 for r in rows])
+        t.cols[flag] = np.array([1.0 if v else 0.0 for v in column(flag)])
     for prefix, name in (("phase", "phases"), ("part", "parts"), ("scalars", "scalars")):
-        t.keyed(prefix, [r[name] for r in rows])
-    for i, r in enumerate(rows):
-        for d, vals in (r["offload"] or {}).items():
+        t.keyed(prefix, column(name))
+    for i, off in enumerate(column("offload")):
+        for d, vals in (off or {}).items():
             for fld, v in vals.items():
                 f = _num(v)
                 if f is not None and fld in OFFLOAD_FIELDS:
                     t.col(f"offload.{d}.{fld}")[i] = f
-    mems = [r["memory"] or {} for r in rows]
+    # A dict (a stored row), or the agent's MemoryStats (the ingest writer's rows).
+    mems = [(m if type(m) is dict else vars(m)) if m else {} for m in column("memory")]
     if any(mems):
         for short, long in MEMORY_SCALARS.items():
             a = _floats([m.get(long) for m in mems])
@@ -295,22 +307,24 @@ def rank_table(
                 total = np.nansum(block, axis=0)
                 total[~have] = np.nan
                 t.cols["memory.state"] = total
-    by_op: dict[str, tuple[list[int], list[Mapping[str, Any]]]] = {}
+    ci: Any = coll_index or {k: k for k in _COLL_KEYS}
+    op_at, lat_at, count_at, bytes_at, busbw_at, max_at = (ci[k] for k in _COLL_KEYS)
+    by_op: dict[str, tuple[list[int], list[Any]]] = {}
     for i, cs in enumerate(colls):
         for c in cs:
-            idx, recs = by_op.setdefault(c["op"], ([], []))
+            idx, recs = by_op.setdefault(c[op_at], ([], []))
             idx.append(i)
             recs.append(c)
     for op, (idx, recs) in by_op.items():
-        lat_each = np.array([float(c["latency_sum_s"]) for c in recs])
+        lat_each = np.array([c[lat_at] for c in recs], dtype=float)
         lat = np.bincount(idx, weights=lat_each, minlength=n)
-        count = np.bincount(idx, weights=[float(c["count"]) for c in recs], minlength=n)
-        nbytes = np.bincount(idx, weights=[float(c["bytes"]) for c in recs], minlength=n)
+        count = np.bincount(idx, weights=[float(c[count_at]) for c in recs], minlength=n)
+        nbytes = np.bincount(idx, weights=[float(c[bytes_at]) for c in recs], minlength=n)
         busbw_lat = np.bincount(
-            idx, weights=np.array([float(c["busbw"]) for c in recs]) * lat_each, minlength=n
+            idx, weights=np.array([c[busbw_at] for c in recs], dtype=float) * lat_each, minlength=n
         )
         lat_max = np.zeros(n)
-        np.maximum.at(lat_max, idx, [float(c["latency_max_s"]) for c in recs])
+        np.maximum.at(lat_max, idx, np.array([c[max_at] for c in recs], dtype=float))
         has = np.bincount(idx, minlength=n) > 0
         p = f"collective.{op}."
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -324,6 +338,10 @@ def rank_table(
             ):
                 t.cols[p + name] = np.where(ok, value, np.nan)
     return {name: c for name, c in t.cols.items() if not np.isnan(c).all()}
+
+
+#: The collectives columns `rank_table` reads.
+_COLL_KEYS = ("op", "latency_sum_s", "count", "bytes", "busbw", "latency_max_s")
 
 
 def rank_values(row: Mapping[str, Any], colls: Iterable[Mapping[str, Any]]) -> dict[str, float]:

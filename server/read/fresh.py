@@ -1,0 +1,262 @@
+"""Fresh steps: the metrics of rank-steps this process just stored, kept for the compactor.
+
+The compactor rolls a step up from its per-rank rows (rollups.py). Read back from the
+database, a rank-step costs a fetch of ~25 columns and the decoding of six JSON documents
+(its phases, parts, offload, memory, scalars and each collective's histogram): at 4,096
+ranks that was a quarter of the server's CPU per rank-step (bench/scale.py), spent on
+values the ingest writer held a moment before. So the writer, once a group is committed,
+turns the group's new rank-steps into metric columns (`vocabulary.rank_table`, the one
+definition of a rank-step's metrics: a handful of numpy conversions for hundreds of
+rank-steps) and keeps them here, by (run, step). The compactor rolls a step up from these
+columns when they hold every rank-step the database holds for it, and from the rows
+otherwise.
+
+What makes that safe, with several server processes or after a restart: the compactor
+first reads the step's (rank, seq) keys from the database (an index-only read, no JSON)
+and uses the cache only if it holds the newest row of every one of those ranks; a row
+another process stored, or one stored before this process started, sends the step down
+the row path. Only committed rank-steps enter (the writer adds them after its commit), and
+the values are those the rows hold (floats and integers round-trip exactly through both
+databases and JSON). The cache is bounded (`max_rank_steps`; the oldest steps go first) and
+steps leave it when they are rolled up: it is a shortcut, never a source of truth.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Engine
+from zerowatch.server.read.vocabulary import rank_table
+
+from zerowatch import events as ev
+
+N_BUCKETS = len(ev.LATENCY_BUCKETS) + 1
+#: Rank-steps kept at most: 32 steps of a 4,096-rank run (about 1 KB each).
+MAX_RANK_STEPS = 131_072
+
+
+@dataclass(slots=True)
+class Block:
+    """The metrics of the rank-steps of one written group.
+
+    `values[j, i]` is metric `names[j]` of rank-step i (NaN: none); `hists[op][i]` the
+    latency histogram of rank-step i's rows of that op (zeros where it has none), and
+    `latency_sums[op]` the `latency_sum_s` of every row of that op with the rank-step it
+    belongs to (what a rollup's histogram and its sum add up over ranks). Arrays, not lists:
+    the cache holds a hundred thousand rank-steps, and the garbage collector walks every
+    list it holds."""
+
+    names: list[str]
+    values: np.ndarray  # (metrics, rank-steps) float64
+    hists: dict[str, np.ndarray]  # op -> (rank-steps, N_BUCKETS) int64
+    latency_sums: dict[str, tuple[np.ndarray, np.ndarray]]  # op -> (values, rank-step index)
+
+
+def block_of(
+    rows: Sequence[Sequence[Any]],
+    colls: Sequence[Sequence[Sequence[Any]]],
+    *,
+    row_columns: Sequence[str],
+    coll_columns: Sequence[str],
+) -> Block:
+    """The Block of rank-steps given as the ingest writer stored them: `rows[i]` a steps
+    row, `colls[i]` its collectives rows, tuples in the order of `row_columns` and
+    `coll_columns` (JSON columns as Python values)."""
+    row_index = {c: i for i, c in enumerate(row_columns)}
+    coll_index = {c: i for i, c in enumerate(coll_columns)}
+    table = rank_table(rows, colls, row_index=row_index, coll_index=coll_index)
+    names = list(table)
+    values = np.array([table[n] for n in names]) if names else np.empty((0, len(rows)))
+    op_at, buckets_at, lat_at = (coll_index[k] for k in ("op", "buckets", "latency_sum_s"))
+    by_op: dict[str, tuple[list[int], list[Any], list[float]]] = {}
+    for i, cs in enumerate(colls):
+        for c in cs:
+            got = by_op.get(c[op_at])
+            if got is None:
+                got = by_op[c[op_at]] = ([], [], [])
+            got[0].append(i)
+            got[1].append(c[buckets_at])
+            got[2].append(c[lat_at])
+    hists: dict[str, np.ndarray] = {}
+    sums: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for op, (idx, buckets, lats) in by_op.items():
+        at = np.array(idx, dtype=np.int64)
+        h = hists[op] = np.zeros((len(rows), N_BUCKETS), dtype=np.int64)
+        # Checked at ingest: one count per bucket (store.validate_batch).
+        np.add.at(h, at, np.array(buckets, dtype=np.int64)[:, :N_BUCKETS])
+        sums[op] = (np.array(lats, dtype=np.float64), at)
+    return Block(names, values, hists, sums)
+
+
+#: One cached rank-step: its block and its index there.
+Entry = tuple[Block, int]
+
+
+class FreshSteps:
+    """The cache (see the module docstring). Thread-safe: the writer adds, the compactor and
+    readers look up.
+
+    The writer's groups are small (a few hundred rank-steps: the requests in flight), and
+    converting a group costs as much in fixed numpy and Python overhead as in per-row work;
+    so rows wait in a pending list until `convert_rows` are there (or a lookup needs them)
+    and are converted together."""
+
+    def __init__(self, max_rank_steps: int = MAX_RANK_STEPS, convert_rows: int = 2048) -> None:
+        self.max_rank_steps = max_rank_steps
+        self.convert_rows = convert_rows
+        self._lock = threading.Lock()
+        #: (run, step) -> {(rank, seq): entry}, oldest step first.
+        self._steps: OrderedDict[tuple[int, int], dict[tuple[int, int], Entry]] = OrderedDict()
+        self._size = 0
+        #: Rows not yet converted: (steps row, its collectives rows).
+        self._pending: list[tuple[Sequence[Any], Sequence[Sequence[Any]]]] = []
+        self._columns: tuple[Sequence[str], Sequence[str]] = ((), ())
+        #: Steps served from the cache and from the rows (tests, the benchmark).
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return self._size + len(self._pending)
+
+    def add(
+        self,
+        rows: Sequence[Sequence[Any]],
+        colls: Sequence[Sequence[Sequence[Any]]],
+        *,
+        row_columns: Sequence[str],
+        coll_columns: Sequence[str],
+    ) -> None:
+        """Keep committed rank-steps: `rows[i]` a steps row, `colls[i]` its collectives
+        rows, tuples in the order of `row_columns` (which name the run, rank, seq and step)
+        and `coll_columns`, JSON columns as Python values (see `block_of`)."""
+        with self._lock:
+            if self._columns != (row_columns, coll_columns):
+                self._convert()
+                self._columns = (row_columns, coll_columns)
+            self._pending.extend(zip(rows, colls, strict=True))
+            if len(self._pending) >= self.convert_rows:
+                self._convert()
+
+    def _convert(self) -> None:
+        """Turn the pending rows into blocks (the lock held)."""
+        if not self._pending:
+            return
+        row_columns, coll_columns = self._columns
+        run_at, rank_at, seq_at, step_at = (
+            list(row_columns).index(k) for k in ("run", "rank", "seq", "step")
+        )
+        by_run: dict[int, tuple[list[Sequence[Any]], list[Sequence[Sequence[Any]]]]] = {}
+        for row, colls in self._pending:
+            rows, cs = by_run.setdefault(row[run_at], ([], []))
+            rows.append(row)
+            cs.append(colls)
+        self._pending = []
+        for pk, (rows, cs) in by_run.items():
+            block = block_of(rows, cs, row_columns=row_columns, coll_columns=coll_columns)
+            for i, r in enumerate(rows):
+                key = (pk, r[step_at])
+                step = self._steps.get(key)
+                if step is None:
+                    step = self._steps[key] = {}
+                step[(r[rank_at], r[seq_at])] = (block, i)
+            self._size += len(rows)
+        while self._size > self.max_rank_steps and self._steps:
+            _, dropped = self._steps.popitem(last=False)
+            self._size -= len(dropped)
+
+    def lookup(
+        self, pk: int, step: int, newest: Mapping[int, int]
+    ) -> list[tuple[int, Entry]] | None:
+        """[(rank, entry)] for the rank-steps `newest` ({rank: seq}, the database's newest
+        row of each rank of the step), ranks ascending; None unless every one is here."""
+        with self._lock:
+            self._convert()
+            held = self._steps.get((pk, step))
+            if held is None or len(held) < len(newest):
+                self.misses += 1
+                return None
+            out = []
+            for rank in sorted(newest):
+                entry = held.get((rank, newest[rank]))
+                if entry is None:
+                    self.misses += 1
+                    return None
+                out.append((rank, entry))
+            self.hits += 1
+        return out
+
+    def discard(self, pk: int, steps: Sequence[int]) -> None:
+        """Forget the steps of run `pk` (rolled up, or thinned by retention)."""
+        with self._lock:
+            self._convert()
+            for step in steps:
+                dropped = self._steps.pop((pk, step), None)
+                if dropped is not None:
+                    self._size -= len(dropped)
+
+    def forget_run(self, pk: int) -> None:
+        """Forget every step of run `pk` (deleted)."""
+        with self._lock:
+            self._convert()
+            for key in [k for k in self._steps if k[0] == pk]:
+                self._size -= len(self._steps.pop(key))
+
+
+def columns(
+    entries: Sequence[tuple[int, Entry]],
+) -> tuple[dict[str, np.ndarray], dict[str, tuple[list[int], float]]]:
+    """One step's metric columns over its ranks (in the order of `entries`) and, per op, the
+    latency histogram summed over them with the exact sum of their latency sums: what
+    `rollups.compute` gets from the rows."""
+    n = len(entries)
+    by_block: dict[int, tuple[Block, list[int], list[int]]] = {}
+    for pos, (_, (block, i)) in enumerate(entries):
+        got = by_block.get(id(block))
+        if got is None:
+            got = by_block[id(block)] = (block, [], [])
+        got[1].append(pos)
+        got[2].append(i)
+    cols: dict[str, np.ndarray] = {}
+    hists: dict[str, np.ndarray] = {}
+    sums: dict[str, list[float]] = {}
+    for block, positions, idx in by_block.values():
+        pos_a, idx_a = np.array(positions), np.array(idx)
+        sub = block.values[:, idx_a]
+        for j, name in enumerate(block.names):
+            col = cols.get(name)
+            if col is None:
+                col = cols[name] = np.full(n, np.nan)
+            col[pos_a] = sub[j]
+        for op, h in block.hists.items():
+            total = hists.get(op)
+            if total is None:
+                total = hists[op] = np.zeros(N_BUCKETS, dtype=np.int64)
+                sums[op] = []
+            total += h[idx_a].sum(axis=0)
+            lats, rows = block.latency_sums[op]
+            sums[op].extend(lats[np.isin(rows, idx_a)].tolist())
+    cols = {name: c for name, c in cols.items() if not np.isnan(c).all()}
+    return cols, {op: (hists[op].tolist(), math.fsum(sums[op])) for op in hists}
+
+
+_CACHES: weakref.WeakKeyDictionary[Engine, FreshSteps] = weakref.WeakKeyDictionary()
+_CACHES_LOCK = threading.Lock()
+
+
+def of(engine: Engine) -> FreshSteps:
+    """The cache of the database behind `engine` in this process (made on first use)."""
+    with _CACHES_LOCK:
+        cache = _CACHES.get(engine)
+        if cache is None:
+            cache = _CACHES[engine] = FreshSteps()
+        return cache
+
+
+__all__ = ["Block", "FreshSteps", "block_of", "columns", "of"]

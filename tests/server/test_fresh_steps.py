@@ -1,0 +1,123 @@
+"""The compactor's shortcut (read/fresh.py): steps rolled up from the metric columns the
+ingest writer kept equal, to the last bit, the rollups computed from the stored rows, with
+late, missing and replayed ranks and with rank-steps another server process stored, on
+SQLite and PostgreSQL; the rows are used wherever the cache does not hold every rank-step."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from zerowatch.server import store
+from zerowatch.server.db import Database
+from zerowatch.server.ingest import Ingestor
+from zerowatch.server.read import fresh, rollups
+
+from zerowatch import events as ev
+from zerowatch import simulate
+
+SPEC = simulate.SimSpec(world_size=6, stage=3, offload_optimizer=True, straggler_rank=2,
+                        spans_every=3)  # fmt: skip
+
+
+def _from_rows(db: Database, pk: int, steps: list[int], monkeypatch: pytest.MonkeyPatch) -> dict:
+    """`rollups.compute` with an empty cache: every step from its rows."""
+    with monkeypatch.context() as mp:
+        mp.setattr(fresh, "of", lambda _engine: fresh.FreshSteps())
+        with db.read() as conn:
+            return rollups.compute(conn, pk, steps)
+
+
+def _events(rng: random.Random, steps: int) -> list[ev.StepEvent]:
+    out = []
+    for s in range(steps):
+        for r in range(SPEC.world_size):
+            e = simulate.step_event(SPEC, r, s)
+            if rng.random() < 0.3:  # user scalars on some rank-steps only
+                e = dataclasses.replace(e, scalars={"loss_ema": rng.random()})
+            out.append(e)
+    return out
+
+
+def test_rollups_from_the_writers_columns_equal_those_from_the_rows(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = random.Random(11)
+    rc = simulate.run_create(SPEC)
+    pk, _ = store.create_run(db, run=rc)
+    events = _events(rng, 8)
+    missing = {(2, 5)}  # (step, rank) never sent
+    other = {(3, 0), (3, 4)}  # stored by another server process: not in this cache
+    restarted = {(6, 1)}  # rank 1 restarted and sent step 6 again with a newer seq
+    mine = [e for e in events if (e.step, e.rank) not in missing | other]
+    rng.shuffle(mine)
+    ingestor = Ingestor(db)
+    try:
+        for i in range(0, len(mine), 5):
+            ingestor.submit(run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, mine[i : i + 5]))
+        # A replay of stored events changes nothing and is not kept twice.
+        ingestor.submit(run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, mine[:7]))
+        again = [dataclasses.replace(e, seq=e.seq + 1000, step_time_s=e.step_time_s * 2)
+                 for e in events if (e.step, e.rank) in restarted]  # fmt: skip
+        ingestor.submit(run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, again))
+    finally:
+        ingestor.close()
+    second = Database.open(db.engine.url.render_as_string(hide_password=False))
+    try:
+        other_events = [e for e in events if (e.step, e.rank) in other]
+        store.ingest_batch(second, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, other_events))
+    finally:
+        second.close()
+
+    cache = fresh.of(db.engine)
+    steps = list(range(8))
+    with db.read() as conn:
+        got = rollups.compute(conn, pk, steps)
+    want = _from_rows(db, pk, steps, monkeypatch)
+    assert sorted(got) == sorted(want) == steps
+    for step in steps:
+        assert got[step].keys() == want[step].keys(), step
+        for name, st in want[step].items():
+            assert got[step][name] == st, (step, name)
+    # Step 3 holds rank-steps this process never saw: from the rows; every other step from
+    # the writer's columns (the restarted rank's newer row included).
+    assert cache.misses == 1 and cache.hits == 7
+    assert got[6]["step_time_s"].n == SPEC.world_size
+    assert got[2]["step_time_s"].n == SPEC.world_size - 1
+
+    compactor = rollups.Compactor(db)
+    assert compactor.flush() == 8
+    assert len(cache) == 0  # rolled up: forgotten
+    with db.read() as conn:
+        stored = rollups.read(conn, pk, None, extra=True)
+    for step in steps:
+        for name, st in want[step].items():
+            assert stored[name][step] == pytest.approx(st), (step, name)
+
+
+def test_the_cache_keeps_a_bounded_number_of_rank_steps_oldest_steps_first(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    db = Database.open(sqlite_url)
+    try:
+        rc = simulate.run_create(SPEC)
+        pk, _ = store.create_run(db, run=rc)
+        cache = fresh.of(db.engine)
+        cache.max_rank_steps = 3 * SPEC.world_size
+        cache.convert_rows = 1  # every group converted at once
+        ingestor = Ingestor(db)
+        try:
+            for s in range(5):
+                batch = [simulate.step_event(SPEC, r, s) for r in range(SPEC.world_size)]
+                ingestor.submit(run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, batch))
+        finally:
+            ingestor.close()
+        assert len(cache) == 3 * SPEC.world_size
+        with db.read() as conn:
+            got = rollups.compute(conn, pk, range(5))
+        assert (cache.hits, cache.misses) == (3, 2)  # steps 0 and 1 were dropped
+        want = _from_rows(db, pk, list(range(5)), monkeypatch)
+        assert got == want
+    finally:
+        db.close()
