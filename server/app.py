@@ -36,6 +36,7 @@ from zerowatch.server.admission import Admission, AdmissionMiddleware
 from zerowatch.server.db import Database
 from zerowatch.server.deps import require_read
 from zerowatch.server.ingest import Ingestor
+from zerowatch.server.ingest_path import IngestFastPath
 from zerowatch.server.metrics import exposition
 from zerowatch.server.read.rollups import Compactor, Retention
 from zerowatch.server.security import SecurityHeadersMiddleware
@@ -166,6 +167,10 @@ def _include_pages(app: FastAPI) -> None:
         app.include_router(pages.router)
 
 
+#: Allocations between two collections of the youngest generation while the app runs.
+GC_GEN0_THRESHOLD = 50_000
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the zerowatch server app: open (and migrate) the database, wire the routes.
 
@@ -195,7 +200,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # now and then in the middle of a request (a query's p95 went from 15 to 80 ms).
         gc.collect()
         gc.freeze()
+        # Ingest builds some hundred short-lived containers per rank-step (parsed JSON, the
+        # event dataclasses, row tuples): with the default threshold (700) the collector
+        # runs every few rank-steps, and its older generations after them. Every 50,000
+        # allocations instead took 14 us of CPU off each rank-step at 4,096 ranks (the
+        # event loop's share fell from 66 to 52 us, measured in-process); cyclic garbage
+        # is still collected, a little later.
+        thresholds = gc.get_threshold()
+        gc.set_threshold(GC_GEN0_THRESHOLD, *thresholds[1:])
         yield
+        gc.set_threshold(*thresholds)
         gc.unfreeze()  # an app that ends (tests start many) leaves nothing pinned behind
         ingestor.close()
         await run_in_threadpool(compactor.close)
@@ -214,6 +228,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.ingestor = ingestor = Ingestor(db, trace_sample_every=settings.trace_sample_every)
     app.state.admission = admission = Admission(settings.ingest_max_pending)
     _install_error_handlers(app)
+    app.add_middleware(IngestFastPath)  # innermost: after the URL, admission and headers
     app.add_middleware(RejectNulMiddleware)
     app.add_middleware(AdmissionMiddleware, admission=admission)
     app.add_middleware(SecurityHeadersMiddleware)

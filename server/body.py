@@ -134,7 +134,7 @@ class BodyRequest(Request):
             raw = b"".join(chunks)
             encoding = self.headers.get("content-encoding", "identity").strip().lower()
             if encoding == "gzip" and raw:
-                raw = _gunzip(raw, limit)
+                raw = gunzip(raw, limit)
             elif encoding not in ("identity", "", "gzip"):
                 raise HTTPException(
                     415, f"Content-Encoding {encoding!r} is not supported (use gzip)"
@@ -152,7 +152,7 @@ class BodyRequest(Request):
         return self._json
 
 
-def _gunzip(raw: bytes, limit: int) -> bytes:
+def gunzip(raw: bytes, limit: int) -> bytes:
     d = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
     try:
         out = d.decompress(raw, limit + 1)
@@ -182,4 +182,4 @@ class BodyRoute(APIRoute):
         return route_handler
 
 
-__all__ = ["BodyRequest", "BodyRoute", "loads_strict"]
+__all__ = ["BodyRequest", "BodyRoute", "gunzip", "loads_strict"]
