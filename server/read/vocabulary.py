@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -235,13 +236,25 @@ class _Table:
         returns the names written. Rank-steps whose dicts have the same keys in the same
         order (the usual case) are converted together."""
         shapes: dict[tuple[str, ...], list[int]] = {}
-        for i, d in enumerate(dicts):
-            if d:
-                shapes.setdefault(tuple(d), []).append(i)
+        key_tuples = list(map(tuple, [d or () for d in dicts]))  # in C, not a Python loop
+        if (
+            key_tuples
+            and key_tuples[0]
+            and key_tuples.count(key_tuples[0]) == len(dicts)
+            and set(map(type, dicts)) == {dict}
+        ):
+            shapes[key_tuples[0]] = list(range(len(dicts)))  # every rank-step alike
+        else:
+            for i, keys in enumerate(key_tuples):
+                if keys:
+                    shapes.setdefault(keys, []).append(i)
         written: dict[str, None] = {}
         for keys, rows in shapes.items():
             names = [_name(prefix, k) for k in keys]
-            flat = _floats([v for i in rows for v in dicts[i].values()])
+            if len(rows) == len(dicts):
+                flat = _floats(list(chain.from_iterable(map(dict.values, dicts))))
+            else:
+                flat = _floats([v for i in rows for v in dicts[i].values()])
             block = flat.reshape(len(rows), len(keys))
             idx = np.array(rows)
             for j, name in enumerate(names):
