@@ -23,7 +23,6 @@ steps leave it when they are rolled up: it is a shortcut, never a source of trut
 
 from __future__ import annotations
 
-import math
 import threading
 import weakref
 from collections import OrderedDict
@@ -118,8 +117,9 @@ class FreshSteps:
         #: Rows not yet converted: (steps row, its collectives rows).
         self._pending: list[tuple[Sequence[Any], Sequence[Sequence[Any]]]] = []
         self._columns: tuple[Sequence[str], Sequence[str]] = ((), ())
-        #: Steps served from the cache and from the rows (tests, the benchmark).
+        #: Steps served from the cache, partly from it, and from the rows alone (tests).
         self.hits = 0
+        self.partial = 0
         self.misses = 0
 
     def __len__(self) -> int:
@@ -173,24 +173,29 @@ class FreshSteps:
 
     def lookup(
         self, pk: int, step: int, newest: Mapping[int, int]
-    ) -> list[tuple[int, Entry]] | None:
-        """[(rank, entry)] for the rank-steps `newest` ({rank: seq}, the database's newest
-        row of each rank of the step), ranks ascending; None unless every one is here."""
+    ) -> tuple[list[tuple[int, Entry]], list[int]]:
+        """The rank-steps `newest` ({rank: seq}, the database's newest row of each rank of
+        the step) this cache holds, as [(rank, entry)], and the ranks it does not hold
+        (another process stored them, or they came before this one started); both
+        ascending."""
+        found: list[tuple[int, Entry]] = []
+        missing: list[int] = []
         with self._lock:
             self._convert()
-            held = self._steps.get((pk, step))
-            if held is None or len(held) < len(newest):
-                self.misses += 1
-                return None
-            out = []
+            held = self._steps.get((pk, step)) or {}
             for rank in sorted(newest):
                 entry = held.get((rank, newest[rank]))
                 if entry is None:
-                    self.misses += 1
-                    return None
-                out.append((rank, entry))
-            self.hits += 1
-        return out
+                    missing.append(rank)
+                else:
+                    found.append((rank, entry))
+            if not missing:
+                self.hits += 1
+            elif found:
+                self.partial += 1
+            else:
+                self.misses += 1
+        return found, missing
 
     def discard(self, pk: int, steps: Sequence[int]) -> None:
         """Forget the steps of run `pk` (rolled up, or thinned by retention)."""
@@ -209,12 +214,42 @@ class FreshSteps:
                 self._size -= len(self._steps.pop(key))
 
 
-def columns(
-    entries: Sequence[tuple[int, Entry]],
-) -> tuple[dict[str, np.ndarray], dict[str, tuple[list[int], float]]]:
-    """One step's metric columns over its ranks (in the order of `entries`) and, per op, the
-    latency histogram summed over them with the exact sum of their latency sums: what
-    `rollups.compute` gets from the rows."""
+@dataclass(slots=True)
+class StepColumns:
+    """One step's metrics over some of its ranks: `table[name][i]` is rank `ranks[i]`'s
+    value (NaN: none); per collective op the latency histogram summed over those ranks and
+    every row's latency sum (added up exactly once the step is whole)."""
+
+    ranks: np.ndarray  # int64, ascending
+    table: dict[str, np.ndarray]
+    counts: dict[str, np.ndarray]  # op -> N_BUCKETS int64
+    latency_sums: dict[str, list[float]]
+
+    def merged(self, other: StepColumns) -> StepColumns:
+        """These ranks and `other`'s (disjoint) together, ranks ascending."""
+        ranks = np.concatenate([self.ranks, other.ranks])
+        order = np.argsort(ranks, kind="stable")
+        n_self, n = len(self.ranks), len(ranks)
+        table = {}
+        for name in {**self.table, **other.table}:
+            col = np.full(n, np.nan)
+            if name in self.table:
+                col[:n_self] = self.table[name]
+            if name in other.table:
+                col[n_self:] = other.table[name]
+            table[name] = col[order]
+        counts = {op: c.copy() for op, c in self.counts.items()}
+        for op, c in other.counts.items():
+            counts[op] = counts[op] + c if op in counts else c.copy()
+        sums = {op: list(v) for op, v in self.latency_sums.items()}
+        for op, v in other.latency_sums.items():
+            sums.setdefault(op, []).extend(v)
+        return StepColumns(ranks[order], table, counts, sums)
+
+
+def columns(entries: Sequence[tuple[int, Entry]]) -> StepColumns:
+    """The StepColumns of cached rank-steps ([(rank, entry)], ranks ascending): what
+    `rollups.compute` gets from the rows of those ranks."""
     n = len(entries)
     by_block: dict[int, tuple[Block, list[int], list[int]]] = {}
     for pos, (_, (block, i)) in enumerate(entries):
@@ -243,7 +278,8 @@ def columns(
             lats, rows = block.latency_sums[op]
             sums[op].extend(lats[np.isin(rows, idx_a)].tolist())
     cols = {name: c for name, c in cols.items() if not np.isnan(c).all()}
-    return cols, {op: (hists[op].tolist(), math.fsum(sums[op])) for op in hists}
+    ranks = np.array([rank for rank, _ in entries], dtype=np.int64)
+    return StepColumns(ranks, cols, hists, sums)
 
 
 _CACHES: weakref.WeakKeyDictionary[Engine, FreshSteps] = weakref.WeakKeyDictionary()
@@ -259,4 +295,4 @@ def of(engine: Engine) -> FreshSteps:
         return cache
 
 
-__all__ = ["Block", "FreshSteps", "block_of", "columns", "of"]
+__all__ = ["Block", "FreshSteps", "StepColumns", "block_of", "columns", "of"]

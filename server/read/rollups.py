@@ -221,54 +221,68 @@ def compute(
     per_chunk = max(1, min(_CHUNK, _CHUNK_RANK_STEPS // world))
     for i in range(0, len(wanted), per_chunk):
         chunk = wanted[i : i + per_chunk]
-        from_rows = chunk
-        if len(cache):
-            newest: dict[int, dict[int, int]] = defaultdict(dict)
-            query = select(s.step, s.rank, s.seq).where(s.run == pk, s.step.in_(chunk))
-            for step, rank, seq in _raw_rows(conn, query):
-                held = newest[step]
-                if held.get(rank, -1) < seq:
-                    held[rank] = seq
-            from_rows = []
-            for step in chunk:
-                ranks = newest.get(step)
-                entries = cache.lookup(pk, step, ranks) if ranks else None
-                if entries is None:
-                    if ranks:
-                        from_rows.append(step)
-                    continue
-                cols, hists = fresh.columns(entries)
-                ranks_a = np.array([rank for rank, _ in entries], dtype=np.int64)
-                out[step] = _summarize_columns(cols, ranks_a, hists)
-        if from_rows:
-            out.update(_compute_from_rows(conn, pk, from_rows))
+        if not len(cache):
+            for step, cols in _columns_from_rows(conn, pk, chunk).items():
+                out[step] = _summarize_columns(cols)
+            continue
+        newest: dict[int, dict[int, int]] = defaultdict(dict)
+        query = select(s.step, s.rank, s.seq).where(s.run == pk, s.step.in_(chunk))
+        for step, rank, seq in _raw_rows(conn, query):
+            held = newest[step]
+            if held.get(rank, -1) < seq:
+                held[rank] = seq
+        from_rows = []
+        for step in chunk:
+            if step not in newest:
+                continue  # no rows: no rollups
+            found, missing = cache.lookup(pk, step, newest[step])
+            if not found:
+                from_rows.append(step)
+                continue
+            cols = fresh.columns(found)
+            if missing:  # the ranks another process stored: their rows only
+                rest = _columns_from_rows(conn, pk, [step], ranks=missing).get(step)
+                if rest is not None:
+                    cols = cols.merged(rest)
+            out[step] = _summarize_columns(cols)
+        for step, cols in _columns_from_rows(conn, pk, from_rows).items():
+            out[step] = _summarize_columns(cols)
     return dict(sorted(out.items()))
 
 
-def _summarize_columns(
-    table: dict[str, np.ndarray], ranks: np.ndarray, hists: dict[str, tuple[list[int], float]]
-) -> dict[str, Stats]:
-    """A step's Stats from its metric columns over `ranks` (ascending) and, per collective
-    op, its latency histogram summed over ranks and the sum of the ranks' latencies."""
+def _summarize_columns(cols: fresh.StepColumns) -> dict[str, Stats]:
+    """A step's Stats from its metric columns over its ranks and, per collective op, its
+    latency histogram and latency sum over ranks."""
     stats: dict[str, Stats] = {}
-    for name, column in table.items():
-        st = _stats_of(column, ranks, ends=name in OUTLIER_METRICS)
+    for name, column in cols.table.items():
+        st = _stats_of(column, cols.ranks, ends=name in OUTLIER_METRICS)
         if st is not None:
             stats[name] = st
-    for op, (counts, total) in hists.items():
+    for op, counts in cols.counts.items():
         lat = stats.get(f"collective.{op}.latency_s")
         if lat is not None:
-            lat.extra["hist"] = counts
-            lat.extra["sum"] = total
+            lat.extra["hist"] = counts.tolist()
+            lat.extra["sum"] = math.fsum(cols.latency_sums[op])
     return stats
 
 
-def _compute_from_rows(conn: Connection, pk: int, chunk: list[int]) -> dict[int, dict[str, Stats]]:
-    """`compute` of a chunk of steps from their rows."""
+def _columns_from_rows(
+    conn: Connection, pk: int, chunk: list[int], *, ranks: list[int] | None = None
+) -> dict[int, fresh.StepColumns]:
+    """The StepColumns of a chunk of steps (of some `ranks` only, when given) from their rows;
+    a step without rows is absent."""
+    if not chunk:
+        return {}
     s, c = m.steps.c, m.collectives.c
     json_cols = {"phases", "parts", "offload", "memory", "scalars"}
-    out: dict[int, dict[str, Stats]] = {}
+    out: dict[int, fresh.StepColumns] = {}
     query = select(*(s[n] for n in STEP_COLS)).where(s.run == pk, s.step.in_(chunk))
+    coll_query = select(*(c[n] for n in _COLL_COLS)).where(
+        c.run == pk, c.op.in_(ev.COLLECTIVE_OPS), c.step.in_(chunk)
+    )
+    if ranks is not None:
+        query = query.where(s.rank.in_(ranks))
+        coll_query = coll_query.where(c.rank.in_(ranks))
     newest: dict[tuple[int, int], dict[str, Any]] = {}
     for raw in _raw_rows(conn, query):
         r = dict(zip(STEP_COLS, raw, strict=True))
@@ -276,10 +290,7 @@ def _compute_from_rows(conn: Connection, pk: int, chunk: list[int]) -> dict[int,
         if key not in newest or r["seq"] > newest[key]["seq"]:
             newest[key] = r
     colls: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
-    query = select(*(c[n] for n in _COLL_COLS)).where(
-        c.run == pk, c.op.in_(ev.COLLECTIVE_OPS), c.step.in_(chunk)
-    )
-    for raw in _raw_rows(conn, query):
+    for raw in _raw_rows(conn, coll_query):
         cr = dict(zip(_COLL_COLS, raw, strict=True))
         colls[(cr["rank"], cr["seq"])].append(cr)
     per_step: dict[int, list[tuple[int, dict[str, Any], Any]]] = defaultdict(list)
@@ -297,15 +308,19 @@ def _compute_from_rows(conn: Connection, pk: int, chunk: list[int]) -> dict[int,
             h[0].append(_json(cr["buckets"])[:N_BUCKETS])
             h[1].append(cr["latency_sum_s"])
     for step, rows in per_step.items():
-        ranks = np.array([rank for rank, _, _ in rows], dtype=np.int64)
-        table = rank_table([r for _, r, _ in rows], [cs for _, _, cs in rows])
-        summed: dict[str, tuple[list[int], float]] = {}
-        for op, (buckets, sums) in hists[step].items():
-            counts = np.zeros(N_BUCKETS, dtype=np.int64)
+        counts: dict[str, np.ndarray] = {}
+        sums: dict[str, list[float]] = {}
+        for op, (buckets, lats) in hists[step].items():
+            total = counts[op] = np.zeros(N_BUCKETS, dtype=np.int64)
             for b in buckets:  # a short list (an old row) counts what it has
-                counts[: len(b)] += b
-            summed[op] = (counts.tolist(), math.fsum(sums))
-        out[step] = _summarize_columns(table, ranks, summed)
+                total[: len(b)] += b
+            sums[op] = lats
+        out[step] = fresh.StepColumns(
+            np.array([rank for rank, _, _ in rows], dtype=np.int64),
+            rank_table([r for _, r, _ in rows], [cs for _, _, cs in rows]),
+            counts,
+            sums,
+        )
     return out
 
 
