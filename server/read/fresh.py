@@ -17,15 +17,15 @@ and uses the cache only if it holds the newest row of every one of those ranks; 
 another process stored, or one stored before this process started, sends the step down
 the row path. Only committed rank-steps enter (the writer adds them after its commit), and
 the values are those the rows hold (floats and integers round-trip exactly through both
-databases and JSON). The cache is bounded (`max_rank_steps`; the oldest steps go first) and
-steps leave it when they are rolled up: it is a shortcut, never a source of truth.
+databases and JSON). The cache is bounded (`max_rank_steps`: once full, newer rank-steps
+are not kept) and steps leave it when they are rolled up: it is a shortcut, never a source
+of truth.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,8 +111,8 @@ class FreshSteps:
         self.max_rank_steps = max_rank_steps
         self.convert_rows = convert_rows
         self._lock = threading.Lock()
-        #: (run, step) -> {(rank, seq): entry}, oldest step first.
-        self._steps: OrderedDict[tuple[int, int], dict[tuple[int, int], Entry]] = OrderedDict()
+        #: (run, step) -> {(rank, seq): entry}.
+        self._steps: dict[tuple[int, int], dict[tuple[int, int], Entry]] = {}
         self._size = 0
         #: Rows not yet converted: (steps row, its collectives rows).
         self._pending: list[tuple[Sequence[Any], Sequence[Sequence[Any]]]] = []
@@ -121,6 +121,8 @@ class FreshSteps:
         self.hits = 0
         self.partial = 0
         self.misses = 0
+        #: Rank-steps not kept because the cache was full.
+        self.refused = 0
 
     def __len__(self) -> int:
         return self._size + len(self._pending)
@@ -140,7 +142,11 @@ class FreshSteps:
             if self._columns != (row_columns, coll_columns):
                 self._convert()
                 self._columns = (row_columns, coll_columns)
-            self._pending.extend(zip(rows, colls, strict=True))
+            # Full: newer rank-steps take the row path. The oldest steps are the next to be
+            # rolled up (and, in a recovery storm, the first whose ranks have all arrived).
+            room = max(self.max_rank_steps - self._size - len(self._pending), 0)
+            self.refused += max(len(rows) - room, 0)
+            self._pending.extend(zip(rows[:room], colls[:room], strict=True))
             if len(self._pending) >= self.convert_rows:
                 self._convert()
 
@@ -167,9 +173,6 @@ class FreshSteps:
                     step = self._steps[key] = {}
                 step[(r[rank_at], r[seq_at])] = (block, i)
             self._size += len(rows)
-        while self._size > self.max_rank_steps and self._steps:
-            _, dropped = self._steps.popitem(last=False)
-            self._size -= len(dropped)
 
     def lookup(
         self, pk: int, step: int, newest: Mapping[int, int]

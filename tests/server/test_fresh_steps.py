@@ -98,7 +98,7 @@ def test_rollups_from_the_writers_columns_equal_those_from_the_rows(
             assert stored[name][step] == pytest.approx(st), (step, name)
 
 
-def test_the_cache_keeps_a_bounded_number_of_rank_steps_oldest_steps_first(
+def test_a_full_cache_keeps_no_more_rank_steps_and_their_steps_take_the_rows(
     sqlite_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     db = Database.open(sqlite_url)
@@ -118,7 +118,8 @@ def test_the_cache_keeps_a_bounded_number_of_rank_steps_oldest_steps_first(
         assert len(cache) == 3 * SPEC.world_size
         with db.read() as conn:
             got = rollups.compute(conn, pk, range(5))
-        assert (cache.hits, cache.misses) == (3, 2)  # steps 0 and 1 were dropped
+        # Steps 0-2 filled it; steps 3 and 4 were not kept.
+        assert (cache.hits, cache.misses, cache.refused) == (3, 2, 2 * SPEC.world_size)
         want = _from_rows(db, pk, list(range(5)), monkeypatch)
         assert got == want
     finally:
