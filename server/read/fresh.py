@@ -18,13 +18,15 @@ another process stored, or one stored before this process started, sends the ste
 the row path. Only committed rank-steps enter (the writer adds them after its commit), and
 the values are those the rows hold (floats and integers round-trip exactly through both
 databases and JSON). The cache is bounded (`max_rank_steps`: once full, newer rank-steps
-are not kept) and steps leave it when they are rolled up: it is a shortcut, never a source
-of truth.
+are not kept), and steps leave it when they are rolled up or after `max_age_s` (with
+several server processes, another process's compactor may roll them up): it is a
+shortcut, never a source of truth.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +41,9 @@ from zerowatch import events as ev
 N_BUCKETS = len(ev.LATENCY_BUCKETS) + 1
 #: Rank-steps kept at most: 32 steps of a 4,096-rank run (about 1 KB each).
 MAX_RANK_STEPS = 131_072
+#: Seconds a step is kept at most: a step is rolled up once its ranks are in (16 s after its
+#: first at 4,096 ranks), or after `rollup_incomplete_s` (30 s) without them.
+MAX_AGE_S = 120.0
 
 
 @dataclass(slots=True)
@@ -107,12 +112,20 @@ class FreshSteps:
     so rows wait in a pending list until `convert_rows` are there (or a lookup needs them)
     and are converted together."""
 
-    def __init__(self, max_rank_steps: int = MAX_RANK_STEPS, convert_rows: int = 2048) -> None:
+    def __init__(
+        self,
+        max_rank_steps: int = MAX_RANK_STEPS,
+        convert_rows: int = 2048,
+        max_age_s: float = MAX_AGE_S,
+    ) -> None:
         self.max_rank_steps = max_rank_steps
         self.convert_rows = convert_rows
+        self.max_age_s = max_age_s
         self._lock = threading.Lock()
-        #: (run, step) -> {(rank, seq): entry}.
+        #: (run, step) -> {(rank, seq): entry}, in the order the steps came.
         self._steps: dict[tuple[int, int], dict[tuple[int, int], Entry]] = {}
+        #: (run, step) -> when its first rank-step came (time.monotonic()).
+        self._born: dict[tuple[int, int], float] = {}
         self._size = 0
         #: Rows not yet converted: (steps row, its collectives rows).
         self._pending: list[tuple[Sequence[Any], Sequence[Sequence[Any]]]] = []
@@ -164,6 +177,7 @@ class FreshSteps:
             rows.append(row)
             cs.append(colls)
         self._pending = []
+        now = time.monotonic()
         for pk, (rows, cs) in by_run.items():
             block = block_of(rows, cs, row_columns=row_columns, coll_columns=coll_columns)
             for i, r in enumerate(rows):
@@ -171,8 +185,20 @@ class FreshSteps:
                 step = self._steps.get(key)
                 if step is None:
                     step = self._steps[key] = {}
+                    self._born[key] = now
                 step[(r[rank_at], r[seq_at])] = (block, i)
             self._size += len(rows)
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        """Forget steps older than `max_age_s` (the lock held): with several server
+        processes on one database another process's compactor may roll them up, and this
+        one would hold them for nothing."""
+        for key, born in self._born.items():  # oldest first
+            if born > now - self.max_age_s:
+                break
+            self._size -= len(self._steps.pop(key))
+        self._born = {k: b for k, b in self._born.items() if k in self._steps}
 
     def lookup(
         self, pk: int, step: int, newest: Mapping[int, int]
@@ -208,6 +234,7 @@ class FreshSteps:
                 dropped = self._steps.pop((pk, step), None)
                 if dropped is not None:
                     self._size -= len(dropped)
+                    del self._born[(pk, step)]
 
     def forget_run(self, pk: int) -> None:
         """Forget every step of run `pk` (deleted)."""
@@ -215,6 +242,7 @@ class FreshSteps:
             self._convert()
             for key in [k for k in self._steps if k[0] == pk]:
                 self._size -= len(self._steps.pop(key))
+                del self._born[key]
 
 
 @dataclass(slots=True)

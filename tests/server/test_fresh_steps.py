@@ -124,3 +124,28 @@ def test_a_full_cache_keeps_no_more_rank_steps_and_their_steps_take_the_rows(
         assert got == want
     finally:
         db.close()
+
+
+def test_steps_older_than_max_age_are_forgotten(sqlite_url: str) -> None:
+    """With several server processes another one's compactor may roll a step up: this
+    process's copy of it goes after `max_age_s`, not never."""
+    db = Database.open(sqlite_url)
+    try:
+        rc = simulate.run_create(SPEC)
+        store.create_run(db, run=rc)
+        cache = fresh.of(db.engine)
+        cache.convert_rows = 1
+        ingestor = Ingestor(db)
+        try:
+            batch = [simulate.step_event(SPEC, r, 0) for r in range(SPEC.world_size)]
+            ingestor.submit(run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, batch))
+            ingestor.close()  # the writer hands rows to the cache after answering: wait for it
+            assert len(cache) == SPEC.world_size
+            cache.max_age_s = 0.0
+            batch = [simulate.step_event(SPEC, r, 1) for r in range(SPEC.world_size)]
+            ingestor.submit(run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, batch))
+        finally:
+            ingestor.close()
+        assert len(cache) == 0
+    finally:
+        db.close()
