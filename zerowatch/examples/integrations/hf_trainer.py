@@ -48,8 +48,11 @@ def strategy_args(strategy: str) -> dict[str, Any]:
     if strategy == "ddp":
         return {}
     if strategy == "fsdp2":
-        return {"fsdp": "full_shard",
-                "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}}  # fmt: skip
+        # FSDP2 is the default `version`; reshard_after_forward=True is FULL_SHARD (ZeRO-3).
+        return {"fsdp": True, "fsdp_config": {
+            "version": 2, "reshard_after_forward": True,
+            "transformer_layer_cls_to_wrap": ["GPT2Block"],
+        }}  # fmt: skip
     if strategy.startswith("deepspeed-zero"):
         stage = int(strategy[-1])
         return {"deepspeed": {
@@ -75,7 +78,10 @@ def train(strategy: str, *, steps: int = 10, server: str | None = None,
         logging_steps=1,
         save_strategy="no",
         report_to=[],
-        use_cpu=strategy == "ddp",  # FSDP2 and DeepSpeed on a machine without GPUs: CPU
+        # use_cpu=True gives Accelerate's MULTI_CPU state, where it applies neither DeepSpeed
+        # nor FSDP: those two are asked for on the GPU path (DeepSpeed then runs on CPU with
+        # DS_ACCELERATOR=cpu; FSDP is refused, see docs/integrations.md).
+        use_cpu=strategy == "ddp",
         ddp_backend="gloo",
         dataloader_num_workers=0,
         **strategy_args(strategy),
