@@ -18,11 +18,14 @@ from pathlib import Path
 from typing import Any
 
 
-def _reset_accelerate() -> None:
-    """Forget the previous variant's Accelerate state (DeepSpeed / FSDP plugins)."""
+def _reset_accelerate(environ: dict[str, str]) -> None:
+    """Forget the previous variant's Accelerate state (DeepSpeed / FSDP plugins), and the
+    environment variables an Accelerator sets for them (ACCELERATE_USE_FSDP, ...)."""
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 def hf(strategy: str, out: Path, server: str) -> dict[str, Any]:
@@ -48,14 +51,25 @@ def lightning(strategy: str, out: Path, server: str) -> dict[str, Any]:
     return {"run_id": callback.run.id, "status": callback.run.status, "logged": model.logged}
 
 
+#: The Accelerate distributed type each plugin strategy asks for.
+ACCELERATE_TYPE = {"fsdp2": "FSDP", "deepspeed-zero2": "DEEPSPEED"}
+
+
 def accelerate(strategy: str, out: Path, server: str) -> dict[str, Any]:
     from zerowatch.examples.integrations import accelerate_loop
 
+    # Accelerate does not refuse a plugin it will not apply: it falls back to another
+    # distributed type without a word. Ask it first, and report what it chose.
+    chosen = accelerate_loop.accelerator_for(strategy).distributed_type.name
+    _reset_accelerate(ENVIRON)
+    if chosen != ACCELERATE_TYPE.get(strategy, chosen):
+        return {"skipped": f"Accelerate chose distributed_type={chosen}"}
     run, logged = accelerate_loop.train(strategy, steps=10, server=server)
     return {"run_id": run.id, "status": run.status, "logged": logged}
 
 
 KINDS = {"hf": hf, "lightning": lightning, "accelerate": accelerate}
+ENVIRON = dict(os.environ)
 
 
 def main() -> None:
@@ -70,7 +84,7 @@ def main() -> None:
         except Exception:
             results[variant] = {"error": traceback.format_exc()}
         finally:
-            _reset_accelerate()
+            _reset_accelerate(ENVIRON)
         (out / f"rank-{rank}.json").write_text(json.dumps(results, indent=1))
 
 

@@ -3,7 +3,11 @@
     torchrun --nproc-per-node 2 -m zerowatch.examples.integrations.accelerate_loop \\
         --strategy ddp --server http://127.0.0.1:8321
 
-The tiny GPT-2 of hf_trainer.py on CPU with gloo, data-parallel (`prepare` builds DDP).
+The tiny GPT-2 of hf_trainer.py on CPU with gloo. `--strategy` picks the Accelerator:
+`ddp` (`prepare` builds DDP), `fsdp2` (an FSDP2 plugin: `prepare` shards the model with
+`fully_shard`; Accelerate applies it on GPUs only) or `deepspeed-zero2` (a DeepSpeed plugin:
+`prepare` builds a DeepSpeed engine; on CPU with `DS_ACCELERATOR=cpu`). The zerowatch part
+is the `zerowatch.instrument(accelerator)` line and `zw.log` in the loop.
 """
 
 from __future__ import annotations
@@ -18,15 +22,34 @@ from accelerate import Accelerator
 import zerowatch
 from zerowatch.examples.integrations.hf_trainer import RandomTokens, tiny_gpt2
 
-STRATEGIES = ("ddp",)
+STRATEGIES = ("ddp", "fsdp2", "deepspeed-zero2")
 
 
 def accelerator_for(strategy: str) -> Accelerator:
-    """The Accelerator for `strategy`. On GPUs, an `fsdp_plugin=` or `deepspeed_plugin=`
-    here makes `prepare` build FSDP2 or a DeepSpeed engine, and the same
-    `zerowatch.instrument(accelerator)` records it (Accelerate applies neither on CPU)."""
+    """The Accelerator for `strategy`; `prepare` then builds DDP, FSDP2 or a DeepSpeed engine.
+
+    `cpu=True` would give Accelerate's MULTI_CPU state, which applies neither plugin, so the
+    plugins go on the GPU path. There, without a GPU, Accelerate finds no backend of its own
+    and counts one process; naming gloo there makes it count the torchrun world (the data is
+    then sharded and `reduce(..., "mean")` divides by the number of ranks).
+    """
+    from accelerate.utils import (
+        DeepSpeedPlugin,
+        FullyShardedDataParallelPlugin,
+        InitProcessGroupKwargs,
+    )
+
+    gloo = [] if torch.cuda.is_available() else [InitProcessGroupKwargs(backend="gloo")]
     if strategy == "ddp":
         return Accelerator(cpu=True)
+    if strategy == "fsdp2":
+        fsdp = FullyShardedDataParallelPlugin(
+            fsdp_version=2, reshard_after_forward=True, transformer_cls_names_to_wrap=["GPT2Block"]
+        )
+        return Accelerator(fsdp_plugin=fsdp, kwargs_handlers=gloo)
+    if strategy == "deepspeed-zero2":
+        zero2 = DeepSpeedPlugin(zero_stage=2, gradient_clipping=1.0)
+        return Accelerator(deepspeed_plugin=zero2, kwargs_handlers=gloo)
     raise ValueError(f"strategy: expected one of {', '.join(STRATEGIES)}, got {strategy!r}")
 
 
@@ -45,10 +68,12 @@ def train(strategy: str, *, steps: int = 10, server: str | None = None,
     batches = iter(data)
     for step in range(steps):
         batch = next(batches)
+        # The rate this step uses, read before backward: a DeepSpeed engine steps its
+        # optimizer and scheduler inside `accelerator.backward`.
+        lr = scheduler.get_last_lr()[0]
         loss = model(**batch).loss
         accelerator.backward(loss)
-        accelerator.clip_grad_norm_(model.parameters(), 1.0)
-        lr = scheduler.get_last_lr()[0]  # the rate this step uses
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)  # DeepSpeed: its config clips
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
