@@ -39,6 +39,7 @@ from zerowatch.server.ingest import Ingestor
 from zerowatch.server.ingest_path import IngestFastPath
 from zerowatch.server.metrics import exposition
 from zerowatch.server.read.rollups import Compactor, Retention
+from zerowatch.server.read_gate import ReadGate, ReadGateMiddleware
 from zerowatch.server.security import SecurityHeadersMiddleware
 from zerowatch.server.settings import Settings, SettingsError, get_settings
 
@@ -182,8 +183,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """
     settings = settings or get_settings()
     db = Database.open(settings.db_url)
+    gate = ReadGate()
     compactor = Compactor(
         db,
+        gate=gate,
         interval_s=settings.rollup_interval_s,
         settle_s=settings.rollup_settle_s,
         incomplete_s=settings.rollup_incomplete_s,
@@ -225,13 +228,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.db = db
     app.state.compactor = compactor
-    app.state.ingestor = ingestor = Ingestor(db, trace_sample_every=settings.trace_sample_every)
+    app.state.ingestor = ingestor = Ingestor(
+        db, trace_sample_every=settings.trace_sample_every, gate=gate
+    )
+    app.state.read_gate = gate
     app.state.admission = admission = Admission(settings.ingest_max_pending)
     _install_error_handlers(app)
     app.add_middleware(IngestFastPath)  # innermost: after the URL, admission and headers
     app.add_middleware(RejectNulMiddleware)
     app.add_middleware(AdmissionMiddleware, admission=admission)
     app.add_middleware(SecurityHeadersMiddleware)
+    app.add_middleware(ReadGateMiddleware, gate=gate)  # outermost: the whole read counts
     app.include_router(api.router)
 
     @app.get("/healthz", tags=["health"])

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from zerowatch.server import store
 from zerowatch.server.db import Database
 from zerowatch.server.read import fresh
+from zerowatch.server.read_gate import ReadGate
 
 from zerowatch import events as ev
 
@@ -71,8 +72,11 @@ class Ingestor:
         max_group_events: int = 20_000,
         linger_s: float = 0.02,
         linger_events: int = 1024,
+        gate: ReadGate | None = None,
     ) -> None:
         self.db = db
+        #: Reads in flight that the writer steps aside for (read_gate.py); None: never.
+        self.gate = gate
         self.fresh = fresh.of(db.engine)
         self.trace_sample_every = trace_sample_every
         self.max_group = max_group
@@ -154,6 +158,14 @@ class Ingestor:
                 if self._queue.events >= self.linger_events or left <= 0:
                     break
                 self._cond.wait(left)
+            if self.gate is not None and self.gate.reads:
+                # A page or a read is running: step aside (read_gate.py); what comes in
+                # meanwhile joins this group.
+                self._cond.release()
+                try:
+                    self.gate.yield_to_reads()
+                finally:
+                    self._cond.acquire()
             pending = self._queue.jobs
             group: list[_Job] = []
             n_events = 0

@@ -54,6 +54,7 @@ from zerowatch.server import models as m
 from zerowatch.server.db import Database
 from zerowatch.server.read import fresh
 from zerowatch.server.read.vocabulary import rank_table
+from zerowatch.server.read_gate import ReadGate
 
 from zerowatch import events as ev
 
@@ -200,7 +201,12 @@ def _json(value: Any) -> Any:
 
 
 def compute(
-    conn: Connection, pk: int, steps: Iterable[int], *, world: int | None = None
+    conn: Connection,
+    pk: int,
+    steps: Iterable[int],
+    *,
+    world: int | None = None,
+    pause: Callable[[], None] | None = None,
 ) -> dict[int, dict[str, Stats]]:
     """The rollups of `steps` of run `pk`, from its per-rank rows (steps without rows are
     absent). A rank with several rows for one step (a restart that replayed step numbers)
@@ -220,6 +226,8 @@ def compute(
     world = world if world is not None else _world_size(conn, pk)
     per_chunk = max(1, min(_CHUNK, _CHUNK_RANK_STEPS // world))
     for i in range(0, len(wanted), per_chunk):
+        if pause is not None:
+            pause()  # the compactor steps aside for reads between chunks (read_gate.py)
         chunk = wanted[i : i + per_chunk]
         if not len(cache):
             for step, cols in _columns_from_rows(conn, pk, chunk).items():
@@ -523,8 +531,11 @@ class Compactor:
         max_steps: int = 256,
         retention: Retention | None = None,
         retention_interval_s: float = 30.0,
+        gate: ReadGate | None = None,
     ) -> None:
         self.db = db
+        #: Reads in flight that the compactor steps aside for (read_gate.py); None: never.
+        self.gate = gate
         self.interval_s = interval_s
         self.settle_s = settle_s
         self.incomplete_s = max(incomplete_s, settle_s)
@@ -596,11 +607,13 @@ class Compactor:
                 for mk in marks:
                     by_run[int(mk.run)].append((int(mk.step), int(mk.version)))
                 horizons = {pk: self._horizon(conn, pk) for pk in by_run}
+                pause = self.gate.yield_to_reads if self.gate is not None else None
                 computed = {
                     pk: compute(
                         conn,
                         pk,
                         [st for st, _ in items if not self.retention.thinned(st, horizons[pk])],
+                        pause=pause,
                     )
                     for pk, items in by_run.items()
                 }

@@ -1,0 +1,80 @@
+"""Reads first: the ingest writer and the compactor step aside while a page or a read runs.
+
+One server process runs its event loop, the ingest writer thread, the rollup compactor
+thread and the reads (pages, the API, /metrics: FastAPI's thread pool) under one GIL. In a
+recovery storm the writer and the compactor have work for minutes, and a run page that
+needs half a second of CPU got a third of it and took tens of seconds (bench/faults.py:
+p95 39–48 s at 1,024 and 4,096 ranks). A person looking at the page, or Prometheus
+scraping, should not wait behind a backlog that nobody is waiting for.
+
+`ReadGate` counts the reads in flight (`ReadGateMiddleware`: every GET and HEAD). The
+writer, before it takes its next group, and the compactor, before each chunk of steps,
+call `yield_to_reads()`: while reads are in flight it waits until they are done, for at
+most `max_wait_s` (50 ms) at a time, so ingest slows down under a stream of reads but
+never stops. What the writer does not take meanwhile waits in its queue (bounded by
+admission.py, which sheds the excess with Retry-After) and joins a larger group.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+#: Longest a writer or compactor waits for reads, per unit of work.
+MAX_WAIT_S = 0.05
+_READS = frozenset({"GET", "HEAD"})
+
+
+class ReadGate:
+    """Reads in flight, and a wait for them to be done (thread-safe)."""
+
+    def __init__(self, max_wait_s: float = MAX_WAIT_S) -> None:
+        self.max_wait_s = max_wait_s
+        self._cond = threading.Condition()
+        self._reads = 0
+        #: Waits that found reads in flight (tests, the benchmark).
+        self.yielded = 0
+
+    @property
+    def reads(self) -> int:
+        return self._reads
+
+    def enter(self) -> None:
+        with self._cond:
+            self._reads += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._reads -= 1
+            if self._reads == 0:
+                self._cond.notify_all()
+
+    def yield_to_reads(self) -> None:
+        """Wait while reads are in flight, at most `max_wait_s`."""
+        if not self._reads:  # the usual case: no lock taken
+            return
+        with self._cond:
+            if self._reads:
+                self.yielded += 1
+                self._cond.wait_for(lambda: self._reads == 0, timeout=self.max_wait_s)
+
+
+class ReadGateMiddleware:
+    """ASGI middleware: every GET and HEAD request counts as a read while it runs."""
+
+    def __init__(self, app: Any, *, gate: ReadGate) -> None:
+        self.app = app
+        self.gate = gate
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] not in _READS:
+            await self.app(scope, receive, send)
+            return
+        self.gate.enter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.gate.leave()
+
+
+__all__ = ["MAX_WAIT_S", "ReadGate", "ReadGateMiddleware"]
