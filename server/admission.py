@@ -21,11 +21,6 @@ so they return at about the rate the writer drains, instead of all at once again
 falls back to "now" when the crowd is gone, and never runs further ahead than
 `max_retry_after_s` (60). The agent waits at least S (with jitter).
 
-Reads first: while a page, an API read or a scrape is in flight (read_gate.py), at most
-`_MIN_LIMIT` (4) ingest requests are in hand; the rest are shed with Retry-After as above.
-Every admitted batch costs the event loop its parsing and validation, which a page in a
-recovery storm waited behind (the writer and the compactor already step aside for reads).
-
 Pure ASGI (no request object, no body read): shedding costs the server next to nothing.
 """
 
@@ -37,8 +32,6 @@ import re
 import threading
 import time
 from typing import Any
-
-from zerowatch.server.read_gate import ReadGate
 
 #: What agents POST: their RunCreate (every rank, idempotent) and their event batches.
 _INGEST_PATH = re.compile(r"^/api/v1/runs(/[^/]+/events)?/?$")
@@ -65,15 +58,10 @@ class Admission:
 
     Thread-safe (the event loop admits; nothing else touches it, but tests may)."""
 
-    def __init__(
-        self, max_pending: int, *, max_retry_after_s: int = 60, gate: ReadGate | None = None
-    ) -> None:
+    def __init__(self, max_pending: int, *, max_retry_after_s: int = 60) -> None:
         if max_pending < 1:
             raise ValueError(f"ingest_max_pending: must be >= 1, got {max_pending}")
         self.max_pending = max_pending
-        #: Reads in flight (read_gate.py): while there are any, at most `_MIN_LIMIT` ingest
-        #: requests are in hand, so the event loop parses few batches while a page waits.
-        self.gate = gate
         self.max_retry_after_s = max_retry_after_s
         #: The bound in force now (see the class docstring).
         self.limit = float(max_pending)
@@ -91,11 +79,8 @@ class Admission:
     def try_admit(self) -> int | None:
         """Admit one request (None), or refuse it: the seconds it should wait."""
         now = time.monotonic()
-        limit = int(self.limit)
-        if self.gate is not None and self.gate.reads:
-            limit = min(limit, _MIN_LIMIT)
         with self._lock:
-            if self.pending < limit:
+            if self.pending < int(self.limit):
                 self.pending += 1
                 self.admitted += 1
                 return None

@@ -232,7 +232,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         db, trace_sample_every=settings.trace_sample_every, gate=gate
     )
     app.state.read_gate = gate
-    app.state.admission = admission = Admission(settings.ingest_max_pending, gate=gate)
+    app.state.admission = admission = Admission(settings.ingest_max_pending)
     _install_error_handlers(app)
     app.add_middleware(IngestFastPath)  # innermost: after the URL, admission and headers
     app.add_middleware(RejectNulMiddleware)

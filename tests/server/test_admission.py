@@ -13,7 +13,6 @@ from typing import Any
 
 from zerowatch.server import admission as admission_module
 from zerowatch.server.admission import Admission, AdmissionMiddleware
-from zerowatch.server.read_gate import ReadGate
 
 
 def call(mw: AdmissionMiddleware, method: str, path: str) -> list[dict[str, Any]]:
@@ -82,17 +81,3 @@ def test_slow_answers_lower_the_limit_and_fast_ones_raise_it_again(monkeypatch) 
         admission.try_admit()
         admission.release(latency_s=0.05)
     assert admission.limit == 64
-
-
-def test_while_a_read_is_in_flight_only_a_few_ingest_requests_are_in_hand() -> None:
-    gate = ReadGate()
-    adm = Admission(128, gate=gate)
-    assert all(adm.try_admit() is None for _ in range(10))  # no read: the full bound
-    gate.enter()
-    assert adm.try_admit() is not None  # 10 in hand, more than a read allows
-    for _ in range(10 - admission_module._MIN_LIMIT + 1):
-        adm.release()
-    assert adm.pending == admission_module._MIN_LIMIT - 1
-    assert adm.try_admit() is None and adm.try_admit() is not None
-    gate.leave()
-    assert adm.try_admit() is None  # the read is done: the full bound again
