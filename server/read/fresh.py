@@ -186,8 +186,11 @@ class FreshSteps:
                 if step is None:
                     step = self._steps[key] = {}
                     self._born[key] = now
+                # A (rank, seq) comes once, unless retention deleted its row and a replay
+                # stored it again: the newer copy replaces the older.
+                size = len(step)
                 step[(r[rank_at], r[seq_at])] = (block, i)
-            self._size += len(rows)
+                self._size += len(step) - size
         self._expire(now)
 
     def _expire(self, now: float) -> None:
