@@ -136,6 +136,8 @@ class FreshSteps:
         self.misses = 0
         #: Rank-steps not kept because the cache was full.
         self.refused = 0
+        #: Readers' rollups of dirty steps (rollups._live).
+        self.live = LiveMemo()
 
     def __len__(self) -> int:
         return self._size + len(self._pending)
@@ -316,6 +318,33 @@ def columns(entries: Sequence[tuple[int, Entry]]) -> StepColumns:
     return StepColumns(ranks, cols, hists, sums)
 
 
+class LiveMemo:
+    """Rollups of dirty steps computed by readers, by (run, step, version of its mark):
+    what rollups.read computed once, given again while the step's rows have not changed
+    (see rollups._live). Least recently used out first; thread-safe."""
+
+    def __init__(self, max_steps: int = 256) -> None:
+        self.max_steps = max_steps
+        self._lock = threading.Lock()
+        self._memo: dict[tuple[int, int, int], Any] = {}
+        self.hits = 0
+
+    def get(self, key: tuple[int, int, int]) -> Any:
+        with self._lock:
+            got = self._memo.pop(key, None)
+            if got is not None:
+                self._memo[key] = got  # most recently used last
+                self.hits += 1
+            return got
+
+    def put(self, key: tuple[int, int, int], value: Any) -> None:
+        with self._lock:
+            self._memo.pop(key, None)
+            self._memo[key] = value
+            while len(self._memo) > self.max_steps:
+                del self._memo[next(iter(self._memo))]
+
+
 _CACHES: weakref.WeakKeyDictionary[Engine, FreshSteps] = weakref.WeakKeyDictionary()
 _CACHES_LOCK = threading.Lock()
 
@@ -329,4 +358,4 @@ def of(engine: Engine) -> FreshSteps:
         return cache
 
 
-__all__ = ["Block", "FreshSteps", "StepColumns", "block_of", "columns", "of"]
+__all__ = ["Block", "FreshSteps", "LiveMemo", "StepColumns", "block_of", "columns", "of"]

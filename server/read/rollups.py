@@ -359,6 +359,48 @@ def dirty_in(
     return [int(x) for x in conn.execute(select(d.step).where(*conds).order_by(d.step)).scalars()]
 
 
+def dirty_versions(
+    conn: Connection, pk: int, *, step_from: int | None = None, step_to: int | None = None
+) -> dict[int, int]:
+    """{step: version of its mark} of run `pk`'s stale steps (in the range), ascending."""
+    d = m.dirty_steps.c
+    conds = [d.run == pk]
+    if step_from is not None:
+        conds.append(d.step >= step_from)
+    if step_to is not None:
+        conds.append(d.step <= step_to)
+    q = select(d.step, d.version).where(*conds).order_by(d.step)
+    return {int(st): int(v) for st, v in conn.execute(q)}
+
+
+def _live(
+    conn: Connection, pk: int, versions: dict[int, int], world: int
+) -> dict[int, dict[str, Stats]]:
+    """The rollups of dirty steps ({step: its mark's version}), computed from the rows
+    once per version: a run page reads the rollups of the same newest steps several
+    times (its charts, the run resource, the doctor), and while a backlog lasts each of
+    those reads computed up to `MAX_LIVE_RANK_STEPS` rank-steps again (a run page took 8 s
+    after a 1,024-rank recovery storm). A mark's version changes in the transaction that
+    writes the step's rows, so a result computed after reading version v holds at least
+    the rows of v; a later rank bumps the version and the step is computed anew."""
+    memo = fresh.of(conn.engine).live
+    out, todo = {}, []
+    for step, version in versions.items():
+        got = memo.get((pk, step, version))
+        if got is None:
+            todo.append(step)
+        else:
+            out[step] = got
+    if todo:
+        computed = compute(conn, pk, todo, world=world)
+        for step in todo:
+            stats = computed.get(step)
+            if stats is not None:
+                memo.put((pk, step, versions[step]), stats)
+                out[step] = stats
+    return dict(sorted(out.items()))
+
+
 def _world_size(conn: Connection, pk: int) -> int:
     world = conn.execute(select(m.runs.c.world_size).where(m.runs.c.id == pk)).scalar()
     return max(int(world or 1), 1)
@@ -414,22 +456,23 @@ def read(
         metric, step, n, lo, p10, p50, p90, hi, mean, lo_rank, hi_rank = row[:11]
         more = (row[11] or {}) if extra else {}
         out[metric][int(step)] = Stats(n, lo, p10, p50, p90, hi, mean, lo_rank, hi_rank, more)
-    dirty = dirty_in(conn, pk, step_from=step_from, step_to=step_to)
+    versions = dirty_versions(conn, pk, step_from=step_from, step_to=step_to)
     if steps_in is not None:
         keep = set(steps_in)
-        dirty = [st for st in dirty if st in keep]
-    fresh: dict[int, dict[str, Stats]] = {}
-    if dirty:
+        versions = {st: v for st, v in versions.items() if st in keep}
+    live: dict[int, dict[str, Stats]] = {}
+    if versions:
         world = _world_size(conn, pk)
-        fresh = compute(conn, pk, dirty[-live_steps(conn, pk, world) :], world=world)
+        newest = sorted(versions)[-live_steps(conn, pk, world) :]
+        live = _live(conn, pk, {st: versions[st] for st in newest}, world)
     names = list(metrics) if metrics is not None else None
-    for step, stats in fresh.items():
+    for step, stats in live.items():
         for name in names if names is not None else [*out, *stats]:
             if name in stats:
                 out[name][step] = stats[name]
             elif name in out:
                 out[name].pop(step, None)
-    if fresh:
+    if live:
         for name in out:
             out[name] = dict(sorted(out[name].items()))
     return dict(out)

@@ -149,3 +149,38 @@ def test_steps_older_than_max_age_are_forgotten(sqlite_url: str) -> None:
         assert len(cache) == 0
     finally:
         db.close()
+
+
+def test_a_dirty_step_is_computed_once_per_version_of_its_mark(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run page reads the same newest dirty steps several times: computed once, until a
+    late rank changes the step."""
+    rc = simulate.run_create(SPEC)
+    pk, _ = store.create_run(db, run=rc)
+    first = [simulate.step_event(SPEC, r, s) for s in range(3) for r in range(SPEC.world_size - 1)]
+    store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, first))
+    computed: list[list[int]] = []
+    compute = rollups.compute
+
+    def counted(conn, pk_, steps, **kw):  # type: ignore[no-untyped-def]
+        computed.append(sorted(steps))
+        return compute(conn, pk_, steps, **kw)
+
+    monkeypatch.setattr(rollups, "compute", counted)
+    with db.read() as conn:
+        a = rollups.read(conn, pk, ["step_time_s"])
+        b = rollups.read(conn, pk, ["step_time_s", "busy_s"])
+    assert computed == [[0, 1, 2]]  # the second read took the first one's results
+    assert a["step_time_s"] == b["step_time_s"]
+    assert all(st.n == SPEC.world_size - 1 for st in b["step_time_s"].values())
+    late = [simulate.step_event(SPEC, SPEC.world_size - 1, 1)]
+    store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, late))
+    with db.read() as conn:
+        c = rollups.read(conn, pk, ["step_time_s"])["step_time_s"]
+    assert computed == [[0, 1, 2], [1]]  # only the step the late rank changed
+    assert c[1].n == SPEC.world_size and c[0] == a["step_time_s"][0]
+    monkeypatch.undo()
+    with db.read() as conn:
+        fresh_read = rollups.compute(conn, pk, [0, 1, 2])
+    assert {st: v["step_time_s"] for st, v in fresh_read.items()} == c
