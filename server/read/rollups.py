@@ -433,6 +433,12 @@ def read(
     `metrics=None`: all.
     """
     r = m.step_rollups.c
+    # The dirty marks first, the stored rollups after: the compactor writes a step's
+    # rollups and clears its mark in one transaction, and each statement here may see a
+    # newer commit than the one before. Read the other way round, a step rolled up in
+    # between was in neither (a /metrics scrape of a restarted server showed no rank
+    # statistics at all); this way it is in one or both (then the live one is used).
+    versions = dirty_versions(conn, pk, step_from=step_from, step_to=step_to)
     # The primary key is (run, metric, step): naming the metrics lets a read of some steps
     # seek each (metric, step) instead of reading every rollup of the run.
     conds = [
@@ -456,7 +462,6 @@ def read(
         metric, step, n, lo, p10, p50, p90, hi, mean, lo_rank, hi_rank = row[:11]
         more = (row[11] or {}) if extra else {}
         out[metric][int(step)] = Stats(n, lo, p10, p50, p90, hi, mean, lo_rank, hi_rank, more)
-    versions = dirty_versions(conn, pk, step_from=step_from, step_to=step_to)
     if steps_in is not None:
         keep = set(steps_in)
         versions = {st: v for st, v in versions.items() if st in keep}

@@ -184,3 +184,32 @@ def test_a_dirty_step_is_computed_once_per_version_of_its_mark(
     with db.read() as conn:
         fresh_read = rollups.compute(conn, pk, [0, 1, 2])
     assert {st: v["step_time_s"] for st, v in fresh_read.items()} == c
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_step_rolled_up_in_the_middle_of_a_read_is_not_lost(
+    db: Database, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """The compactor commits between two statements of a read (just before or just after
+    the dirty marks are read): the step is still read, from its rows or its rollups, with
+    every metric."""
+    rc = simulate.run_create(SPEC)
+    pk, _ = store.create_run(db, run=rc)
+    events = [simulate.step_event(SPEC, r, 0) for r in range(SPEC.world_size)]
+    store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, events))
+    compactor = rollups.Compactor(db)
+    marks = rollups.dirty_versions
+
+    def then_compact(conn, pk_, **kw):  # type: ignore[no-untyped-def]
+        if when == "before":
+            assert compactor.flush() == 1  # commits while the read goes on
+        got = marks(conn, pk_, **kw)
+        if when == "after":
+            assert compactor.flush() == 1
+        return got
+
+    monkeypatch.setattr(rollups, "dirty_versions", then_compact)
+    with db.read() as conn:
+        got = rollups.read(conn, pk, None, steps_in=[0])
+    assert got["step_time_s"][0].n == SPEC.world_size
+    assert got["collective.all_gather.busbw"][0].n == SPEC.world_size
