@@ -181,33 +181,29 @@ class StepRecorder:
         other_start, other_end = self._other_phase_start, self._other_phase_end
         on_host = mark is float  # HostClock: the mark is the time itself
 
-        def on_phase_start(phase: str, t: float) -> None:
-            try:
-                code = start_codes[phase]
-            except KeyError:
-                code = -1
-            if code < 0:
-                other_start(phase, t)
-                return
-            try:
-                log.append(code)
-                log.append(t if on_host else mark(t))
-            except Exception as e:
-                health.error(f"recording the start of phase {phase!r}", e)
+        def boundary(
+            codes_of: dict[str, int], other: Callable[[str, float], None], what: str
+        ) -> Callable[[str, float], None]:
+            """The callback of one kind of boundary (a phase's start or its end)."""
 
-        def on_phase_end(phase: str, t: float) -> None:
-            try:
-                code = end_codes[phase]
-            except KeyError:
-                code = -1
-            if code < 0:
-                other_end(phase, t)
-                return
-            try:
-                log.append(code)
-                log.append(t if on_host else mark(t))
-            except Exception as e:
-                health.error(f"recording the end of phase {phase!r}", e)
+            def on_boundary(phase: str, t: float) -> None:
+                try:
+                    code = codes_of[phase]
+                except KeyError:
+                    code = -1
+                if code < 0:
+                    other(phase, t)
+                    return
+                try:
+                    log.append(code)
+                    log.append(t if on_host else mark(t))
+                except Exception as e:
+                    health.error(f"recording the {what} of phase {phase!r}", e)
+
+            return on_boundary
+
+        on_phase_start = boundary(start_codes, other_start, "start")
+        on_phase_end = boundary(end_codes, other_end, "end")
 
         pending = self._collectives.pending
         fold_if_full = self._collectives.fold_if_full

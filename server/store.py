@@ -281,38 +281,36 @@ def _step_row(pk: int, e: ev.StepEvent) -> tuple[Any, ...]:
 
 
 def _collective_rows(pk: int, e: ev.StepEvent) -> list[tuple[Any, ...]]:
-    # The usual case: one record per (op, purpose), its bandwidths filled in by the agent.
-    unique = len({(c.op, c.purpose) for c in e.collectives}) == len(e.collectives)
-    if unique and all(c.algbw_bytes_per_s and c.busbw_bytes_per_s for c in e.collectives):
-        return [
-            (pk, e.rank, e.seq, c.op, c.purpose, e.step, c.count, c.bytes, c.latency_sum_s,
-             c.latency_max_s, c.buckets, c.world_size, c.algbw_bytes_per_s,
-             c.busbw_bytes_per_s, c.async_count)
-            for c in e.collectives
-        ]  # fmt: skip
-    by_key: dict[tuple[str, str], list[ev.CollectiveStats]] = {}
-    rows = []
-    for c in e.collectives:
-        by_key.setdefault((c.op, c.purpose), []).append(c)
-    for (op, purpose), cs in by_key.items():
-        c = cs[0]
-        if len(cs) > 1 or not (c.algbw_bytes_per_s and c.busbw_bytes_per_s):
-            # The same (op, purpose) twice in one step is added up, and bandwidths a client
-            # left out are filled in: both by the one builder of a step's record.
-            c = ev.CollectiveStats.of_calls(
-                op, purpose, world_size=c.world_size, count=sum(x.count for x in cs),
-                nbytes=sum(x.bytes for x in cs),
-                latency_sum_s=sum(x.latency_sum_s for x in cs),
-                latency_max_s=max(x.latency_max_s for x in cs),
-                buckets=[sum(b) for b in zip(*(x.buckets for x in cs), strict=True)],
-                async_count=sum(x.async_count for x in cs),
-            )  # fmt: skip
-        rows.append((
-            pk, e.rank, e.seq, op, purpose, e.step, c.count, c.bytes, c.latency_sum_s,
-            c.latency_max_s, c.buckets, c.world_size, c.algbw_bytes_per_s,
-            c.busbw_bytes_per_s, c.async_count,
-        ))  # fmt: skip
-    return rows
+    records = e.collectives
+    # The usual case, kept as it came: one record per (op, purpose), bandwidths filled in.
+    unique = len({(c.op, c.purpose) for c in records}) == len(records)
+    if not (unique and all(c.algbw_bytes_per_s and c.busbw_bytes_per_s for c in records)):
+        by_key: dict[tuple[str, str], list[ev.CollectiveStats]] = {}
+        for c in records:
+            by_key.setdefault((c.op, c.purpose), []).append(c)
+        records = [_one_record(op, purpose, cs) for (op, purpose), cs in by_key.items()]
+    return [
+        (pk, e.rank, e.seq, c.op, c.purpose, e.step, c.count, c.bytes, c.latency_sum_s,
+         c.latency_max_s, c.buckets, c.world_size, c.algbw_bytes_per_s, c.busbw_bytes_per_s,
+         c.async_count)
+        for c in records
+    ]  # fmt: skip
+
+
+def _one_record(op: str, purpose: str, cs: list[ev.CollectiveStats]) -> ev.CollectiveStats:
+    """The step's record of one (op, purpose): the same pair twice in one step is added up,
+    and bandwidths a client left out are filled in, both by the one builder of a step's
+    record."""
+    c = cs[0]
+    if len(cs) == 1 and c.algbw_bytes_per_s and c.busbw_bytes_per_s:
+        return c
+    return ev.CollectiveStats.of_calls(
+        op, purpose, world_size=c.world_size, count=sum(x.count for x in cs),
+        nbytes=sum(x.bytes for x in cs), latency_sum_s=sum(x.latency_sum_s for x in cs),
+        latency_max_s=max(x.latency_max_s for x in cs),
+        buckets=[sum(b) for b in zip(*(x.buckets for x in cs), strict=True)],
+        async_count=sum(x.async_count for x in cs),
+    )  # fmt: skip
 
 
 class _Statements:

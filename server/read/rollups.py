@@ -350,13 +350,7 @@ def dirty_in(
     conn: Connection, pk: int, *, step_from: int | None = None, step_to: int | None = None
 ) -> list[int]:
     """Steps of run `pk` (in the range) whose rollups are stale, ascending."""
-    d = m.dirty_steps.c
-    conds = [d.run == pk]
-    if step_from is not None:
-        conds.append(d.step >= step_from)
-    if step_to is not None:
-        conds.append(d.step <= step_to)
-    return [int(x) for x in conn.execute(select(d.step).where(*conds).order_by(d.step)).scalars()]
+    return list(dirty_versions(conn, pk, step_from=step_from, step_to=step_to))
 
 
 def dirty_versions(
