@@ -33,9 +33,9 @@ from fastapi.routing import APIRoute
 
 INT64_MAX = 2**63 - 1
 _SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
-#: Digits to "0", every other byte to " ": a run of 19 digits becomes `_LONG_RUN`.
-_DIGITS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
-_LONG_RUN = b"0" * 19
+#: Digits to "0", every other byte to " ": a run of 19 digits becomes `LONG_DIGIT_RUN`.
+TO_DIGIT_RUNS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+LONG_DIGIT_RUN = b"0" * 19
 
 
 class BodyError(ValueError):
@@ -77,7 +77,7 @@ def _check_strings(obj: Any) -> None:
 def loads_strict(raw: bytes) -> Any:
     """Parse JSON that the store can hold as is; raise BodyError or json.JSONDecodeError."""
     # Text the fast parser may not read as the strict one would (see the module docstring).
-    if _LONG_RUN not in raw.translate(_DIGITS):
+    if LONG_DIGIT_RUN not in raw.translate(TO_DIGIT_RUNS):
         try:
             obj = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -182,4 +182,11 @@ class BodyRoute(APIRoute):
         return route_handler
 
 
-__all__ = ["BodyRequest", "BodyRoute", "gunzip", "loads_strict"]
+__all__ = [
+    "LONG_DIGIT_RUN",
+    "TO_DIGIT_RUNS",
+    "BodyRequest",
+    "BodyRoute",
+    "gunzip",
+    "loads_strict",
+]

@@ -6,9 +6,19 @@ route's dependencies (path parameter, bearer credentials, body) and builds its r
 about 0.4 ms of CPU per POST (half of the event loop's time per POST of 16 steps, measured
 in-process), for work the batch itself does not need. `IngestFastPath` answers what an
 agent sends almost always, a batch that is valid and is stored, with the same steps the route
-takes: the token check (deps.check_token's rules), the body (size limit, gzip, strict
-JSON: body.py), validation into `events.EventBatch` (pydantic, as FastAPI validates the
-route's body), the ingest writer, and the route's answer.
+takes: the token check (deps.check_token's rules), the body (size limit, gzip), parsing
+and validation into `events.EventBatch`, the ingest writer, and the route's answer.
+
+Parsing and validation are one pass of msgspec over the body, straight into the events'
+dataclasses (`decode_batch`): the route's two passes (strict JSON: body.py, then pydantic's
+validation of the parsed objects) cost ~19 µs per rank-step, msgspec ~7. msgspec is
+stricter than pydantic's lax mode (it refuses `1.0` for an int, `1` for a bool), never
+laxer, so a body it decodes is one the route accepts, with the same values; the JSON the
+route refuses that msgspec would read is screened first (a NUL in a string, a run of 19
+digits: an integer that may not fit 64 bits). Anything msgspec refuses, or a batch that
+holds an end event (one per rank per run), takes the route's path, which says what is
+wrong in its own words. tests/server/test_ingest_fast_path.py holds the two decoders to the
+same answer over valid, edge and invalid bodies.
 
 Anything else falls through to the FastAPI route with the request exactly as it came (the
 body read so far is replayed): a missing or wrong token, a body that is too large, not
@@ -20,14 +30,15 @@ batch that reached the writer before falling through is not stored twice.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+import msgspec
 from fastapi.responses import JSONResponse
-from pydantic import TypeAdapter
 from zerowatch.server import store
-from zerowatch.server.body import gunzip, loads_strict
+from zerowatch.server.body import LONG_DIGIT_RUN, TO_DIGIT_RUNS, gunzip
 
 from zerowatch import events as ev
 
@@ -37,7 +48,30 @@ Send = Callable[[Message], Awaitable[None]]
 
 PREFIX = "/api/v1/runs/"
 SUFFIX = "/events"
-_BATCH = TypeAdapter(ev.EventBatch)
+
+
+@dataclasses.dataclass
+class _StepBatch:
+    """EventBatch with step events only: msgspec decodes a union of one dataclass type."""
+
+    run_id: str
+    events: list[ev.StepEvent]
+    schema_version: int = ev.SCHEMA_VERSION
+
+
+_DECODER = msgspec.json.Decoder(_StepBatch)
+
+
+def decode_batch(raw: bytes) -> ev.EventBatch | None:
+    """The batch of a JSON body of step events, as the route would validate it; None when
+    the body is the route's to judge (see the module docstring)."""
+    if b"\\u0000" in raw or LONG_DIGIT_RUN in raw.translate(TO_DIGIT_RUNS):
+        return None
+    try:
+        b = _DECODER.decode(raw)
+    except msgspec.MsgspecError:
+        return None
+    return ev.EventBatch(b.run_id, b.events, b.schema_version)  # type: ignore[arg-type]
 
 
 class _FallThrough(Exception):
@@ -77,7 +111,9 @@ class IngestFastPath:
                 raw = gunzip(raw, limit)
             elif encoding not in (b"identity", b""):
                 raise _FallThrough
-            batch = _BATCH.validate_python(loads_strict(raw))
+            batch = decode_batch(raw)
+            if batch is None:
+                raise _FallThrough
             result = await state.ingestor.submit_async(run_id=run_id, batch=batch)
             if result is None:  # unknown run: the route's 404
                 raise _FallThrough
@@ -142,4 +178,4 @@ def _replay(read: list[Message], receive: Receive) -> Receive:
     return again
 
 
-__all__ = ["IngestFastPath"]
+__all__ = ["IngestFastPath", "decode_batch"]

@@ -9,10 +9,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import orjson
+import pydantic
 import pytest
 from fastapi.testclient import TestClient
 from zerowatch.server.app import create_app
-from zerowatch.server.ingest_path import IngestFastPath
+from zerowatch.server.body import BodyError, loads_strict
+from zerowatch.server.ingest_path import IngestFastPath, decode_batch
 from zerowatch.server.settings import Settings
 
 from zerowatch import events as ev
@@ -94,3 +96,86 @@ def test_everything_else_is_answered_by_the_route(routed: tuple[TestClient, list
     assert seen == ["/api/v1/runs/nope/events"]
     ranks = c.get("/api/v1/runs/fast/ranks").json()["ranks"]
     assert sum(x["steps"] for x in ranks) == 0  # nothing of the refused batches was stored
+
+
+def _route_decode(raw: bytes) -> ev.EventBatch | None:
+    """What the route makes of a body: strict JSON (body.py), then pydantic's validation of
+    the parsed objects, as FastAPI validates the route's body; None when it refuses it."""
+    try:
+        return _ROUTE_BATCH.validate_python(loads_strict(raw))
+    except (BodyError, ValueError, pydantic.ValidationError):
+        return None
+
+
+_ROUTE_BATCH = pydantic.TypeAdapter(ev.EventBatch)
+
+#: (JSON text of one step's fields after rank/seq/step/time, what it probes): types at the
+#: edges of what each decoder reads, numbers at the edges of what the store holds, strings
+#: the database cannot hold.
+_EDGES = [
+    ('"step_time_s": 1', "an int for a float"),
+    ('"step_time_s": 1.0, "samples": 1.0', "a float for an int"),
+    ('"step_time_s": 1.0, "samples": true', "a bool for an int"),
+    ('"step_time_s": 1.0, "clipped": 1', "an int for a bool"),
+    ('"step_time_s": "1.0"', "a string for a float"),
+    ('"step_time_s": 1e999', "a float that overflows"),
+    ('"step_time_s": -1e999', "a negative float that overflows"),
+    ('"step_time_s": NaN', "NaN"),
+    ('"step_time_s": Infinity', "Infinity"),
+    ('"step_time_s": 1.0, "samples": 9223372036854775807', "int64's largest"),
+    ('"step_time_s": 1.0, "samples": 9223372036854775808', "one past int64"),
+    ('"step_time_s": 1.0, "samples": 18446744073709551616', "one past uint64"),
+    ('"step_time_s": 1.0, "samples": -9223372036854775809', "one below int64"),
+    ('"step_time_s": 100000000000000000000', "a 21-digit int for a float"),
+    ('"step_time_s": 0.1234567890123456789012', "a 22-digit mantissa"),
+    ('"step_time_s": 1E-5, "exposed_comm_s": -0.0', "exponent forms, negative zero"),
+    ('"step_time_s": 1.0, "host": "a\\u0000b"', "NUL in a string"),
+    ('"step_time_s": 1.0, "host": "a\\\\u0000b"', "an escaped backslash before u0000"),
+    ('"step_time_s": 1.0, "host": "a\\ud800b"', "a lone high surrogate"),
+    ('"step_time_s": 1.0, "host": "a\\udc00b"', "a lone low surrogate"),
+    ('"step_time_s": 1.0, "host": "a\\ud83d\\ude00b\\u00e9"', "a surrogate pair, an escape"),
+    ('"step_time_s": 1.0, "host": "a\tb"', "a raw control character in a string"),
+    ('"step_time_s": 1.0, "zzz": [1, {"x": 2}]', "an unknown field"),
+    ('"step_time_s": 1.0, "step_time_s": 2.0', "a duplicated key"),
+    ('"step_time_s": 1.0, "memory": null, "spans": null, "grad_norm": null', "nulls"),
+    ('"step_time_s": 1.0, "memory": {"reserved_bytes": 1.5}', "a float inside memory"),
+    ('"step_time_s": 1.0, "memory": {"peak_by_phase": {"forward": 3}}', "nested memory"),
+    ('"step_time_s": 1.0, "kind": "end", "status": "finished"', "an end event"),
+    ('"step_time_s": 1.0, "kind": "step"', "the kind"),
+    ('"step_time_s": 1.0, "phases": {"forward": 1}', "an int in a dict of floats"),
+    ('"step_time_s": 1.0, "phases": {"forward": "x"}', "a string in a dict of floats"),
+    ('"step_time_s": 1.0, "collectives": [{"op": "all_gather"}]', "an incomplete record"),
+    ('"step_time_s": 1.0, "collectives": [{"op": "gather", "purpose": "other", "count": 1, '
+     '"bytes": 1, "latency_sum_s": 1, "latency_max_s": 1, "buckets": [1], "world_size": 2}]',
+     "an op outside the vocabulary"),
+    ('"step_time_s": 1.0, "spans": [{"name": "a", "cat": "phase", "start": 0, "end": 1, '
+     '"args": {"n": 123456789012345678901234}}]', "a big integer in free-form args"),
+    ('"step_time_s": 1.0, "spans": [{"name": "a", "cat": "phase", "start": 0, "end": 1, '
+     '"args": {"n": 1e400}}]', "an overflowing float in free-form args"),
+    ('"step_time_s": 1.0, "spans": [{"name": "a", "cat": "phase", "start": 0, "end": 1, '
+     '"args": {"n": [1, 2.5, null, true, "s", {"k": -3}]}}]', "free-form args"),
+]  # fmt: skip
+
+
+def test_the_fast_decoder_reads_a_body_as_the_route_does_or_leaves_it() -> None:
+    """decode_batch accepts only what the route accepts, with equal values: over the
+    simulator's events (phases, collectives, memory, spans) and every edge above, alone
+    and inside a body of valid events; the typical body is its own (not left to the route)."""
+    spec = simulate.SimSpec(world_size=8, stage=3, spans_every=2)
+    events = [simulate.step_event(spec, r, s) for r in range(3) for s in range(4)]
+    raw = _body(events)
+    fast = decode_batch(raw)
+    assert fast is not None and fast == _route_decode(raw)
+    assert any(e.spans for e in fast.events) and all(e.memory for e in fast.events)
+    taken = 0
+    for text, probes in _EDGES:
+        one = f'{{"rank": 0, "seq": 0, "step": 0, "time": 1.0, {text}}}'
+        mixed = raw[: raw.rindex(b"]")] + b", " + one.encode() + raw[raw.rindex(b"]") :]
+        for body in (f'{{"run_id": "fast", "events": [{one}]}}'.encode(), mixed):
+            route, fast = _route_decode(body), decode_batch(body)
+            assert fast is None or fast == route, probes
+            taken += fast is not None
+    assert taken >= 20  # most edges are the fast decoder's own, not all left to the route
+    for junk in (b"", b"[]", b"{", b'{"run_id": 1, "events": []}', b"\xff\xfe", b"null",
+                 b'{"run_id": "fast"}', b'{"run_id": "fast", "events": {}}'):  # fmt: skip
+        assert decode_batch(junk) is None and _route_decode(junk) is None, junk
