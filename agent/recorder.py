@@ -9,13 +9,22 @@ Life of a step on one rank:
    windows, memory and the optimizer's view (grad norm, loss scale, lr) are read, and a
    *draft* is kept open: `run.log(loss=...)` called right after `engine.step()` still lands
    on this step.
-4. The draft becomes a StepEvent — phases with the `other` gap, so that forward + backward
-   + optimizer_step + other = step time; the exclusive parts (each instant of the step in
-   the innermost phase running then: they add up to the step time) and the communication
-   compute hid beside them; collective stats; exposed communication; offload;
-   memory; throughput and MFU; user scalars; raw spans on sampled steps — and is handed to
-   the shipper. On CUDA that waits until the step's CUDA events have completed (a step
-   later); nothing here ever synchronizes the device.
+4. The draft is handed to the shipper (with its seq) once its timings are known: on CUDA
+   that waits until the step's CUDA events have completed (a step later); nothing here
+   ever synchronizes the device.
+5. On the shipper thread the draft becomes a StepEvent — phases with the `other` gap, so
+   that forward + backward + optimizer_step + other = step time; the exclusive parts (each
+   instant of the step in the innermost phase running then: they add up to the step time)
+   and the communication compute hid beside them; collective stats; exposed communication;
+   offload; memory; throughput and MFU; user scalars; raw spans on sampled steps.
+
+Why the assembly runs on the shipper thread: between the engine's kernels, which evict the
+CPU's caches, the same work costs the training thread two to three times what it costs
+warm. On the host clock the training thread's share of a step's end is therefore only to
+take the step's phase boundaries and collective records out of the probes (two list
+slices); pairing the boundaries, folding the records and building the event happen on the
+shipper, for all the steps of a flush interval one after another. On CUDA the boundaries
+are paired at the step's end as before (their readiness is checked on the training thread).
 
 Every engine callback is guarded: an error is counted and logged once, never raised into
 the engine (which would count it too, but training must not even notice).
@@ -30,6 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from zerowatch.agent import flops
@@ -41,6 +51,7 @@ from zerowatch.agent.probes import (
     Clock,
     CollectiveAggregator,
     CollectiveWindow,
+    HostClock,
     MemoryProbe,
     OffloadProbe,
     PhaseTimer,
@@ -115,7 +126,9 @@ class StepDraft:
 
 
 class StepRecorder:
-    """Observer of one engine (via its adapter); emits StepEvents through `emit`."""
+    """Observer of one engine (via its adapter); hands each ended step to `emit` as a
+    callable that builds its StepEvent (None if that fails: counted and dropped), for the
+    shipper to call."""
 
     def __init__(
         self,
@@ -126,7 +139,7 @@ class StepRecorder:
         health: AgentHealth,
         clock: Clock,
         memory: MemoryProbe,
-        emit: Callable[[ev.StepEvent], None],
+        emit: Callable[[Callable[[], ev.StepEvent | None]], None],
         next_seq: Callable[[], int],
     ) -> None:
         self._adapter = adapter
@@ -138,6 +151,9 @@ class StepRecorder:
         self._emit = emit
         self._next_seq = next_seq
         self._timer = PhaseTimer(clock)
+        #: Host clock: a step's boundaries and collectives are paired and folded when its
+        #: event is built (on the shipper thread), not at its end on the training thread.
+        self._later = isinstance(clock, HostClock)
         self._collectives = CollectiveAggregator(config.max_spans_per_step)
         self._offload = OffloadProbe(config.max_spans_per_step)
         self._lock = threading.Lock()  # run.log() vs the engine's callbacks
@@ -274,7 +290,7 @@ class StepRecorder:
         self._emit_ready()
         # Anything that ran between steps (checkpointing, evaluation) is not part of one.
         self._timer.reset()
-        self._collectives.take()
+        self._collectives.discard()
         self._offload.take()
         every = self._cfg.spans_every
         self._sampled = bool(every) and (self._step - self._job.global_step) % every == 0
@@ -291,8 +307,12 @@ class StepRecorder:
             )
             return
         end = self._clock.mark(t)
-        phases = self._timer.take(self._step_start, end)
-        window = self._collectives.take()
+        if self._later:
+            phases = self._timer.take_later(self._step_start, end)
+            window = self._collectives.take_later()
+        else:
+            phases = self._timer.take(self._step_start, end)
+            window = self._collectives.take()
         offload, offload_spans = self._offload.take()
         n = self._step - self._job.global_step
         if n % self._cfg.memory_every == 0 or not self._model_state:
@@ -323,17 +343,24 @@ class StepRecorder:
             self._health.drop(n, "step timings never completed on the device")
         while self._waiting:
             draft = self._waiting[0]
-            if not force and not draft.ready(self._clock):
+            # (On the host clock a step's timings are known when it ends; asking its windows
+            # would pair and fold them here, on the training thread.)
+            if not force and not self._later and not draft.ready(self._clock):
                 return
             self._waiting.pop(0)
-            try:
-                event = self._build(draft)
-            except Exception as e:
-                self._health.error("assembling a step event", e)
-                self._health.drop(1, "a step event could not be assembled")
-                continue
-            self._emit(event)
+            # The event is built where it is shipped (`_assemble`); its seq is taken here,
+            # so the events and the run's EndEvent keep the order the steps ended in.
+            self._emit(partial(self._assemble, draft, self._next_seq()))
             self.steps_emitted += 1
+
+    def _assemble(self, draft: StepDraft, seq: int) -> ev.StepEvent | None:
+        """The draft's StepEvent (on the shipper thread); None, counted, if it fails."""
+        try:
+            return self._build(draft, seq)
+        except Exception as e:
+            self._health.error("assembling a step event", e)
+            self._health.drop(1, "a step event could not be assembled")
+            return None
 
     def flush(self) -> None:
         """Emit every ended step (at close). On CUDA this waits for the device once."""
@@ -350,7 +377,7 @@ class StepRecorder:
                 self._health.error("waiting for the device at close", e)
         self._emit_ready(force=True)
 
-    def _build(self, d: StepDraft) -> ev.StepEvent:
+    def _build(self, d: StepDraft, seq: int) -> ev.StepEvent:
         clock, cfg, job = self._clock, self._cfg, self._job
         step_time = max(clock.seconds(d.start, d.end), 0.0)
         phases = d.phases.totals()
@@ -373,7 +400,7 @@ class StepRecorder:
         hidden = max(d.collectives.wall_s - exposed, 0.0)
         return ev.StepEvent(
             rank=job.rank,
-            seq=self._next_seq(),
+            seq=seq,
             step=d.step,
             time=clock.host_time(d.end) + self._unix_offset,
             step_time_s=step_time,

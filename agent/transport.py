@@ -119,7 +119,8 @@ class Transport:
         self._thread.start()
 
     def submit(self, event: Any) -> None:
-        """Hand one event to the shipper; never blocks, never raises."""
+        """Hand one event (or a callable that builds it, called on the shipper thread) to
+        the shipper; never blocks, never raises."""
         q = self._q
         if len(q) >= self._queue_size:
             self._health.drop(
@@ -240,7 +241,14 @@ class Transport:
             self._ship(lines)
 
     def _encode(self, event: Any) -> bytes | None:
+        """One queued item as a JSON line: an event, or a callable that builds it (the
+        recorder's steps, assembled here, off the training thread; None: it could not be,
+        counted by the recorder)."""
         try:
+            if callable(event):
+                event = event()
+                if event is None:
+                    return None
             return codec.encode(event)
         except Exception as e:
             self._health.error("encoding an event", e)

@@ -222,10 +222,24 @@ def measure_stage(rank: int, stage: int, layers: int, args: argparse.Namespace,
     first_event: list[Any] = []
     submit = run._transport.submit
 
-    def keep(event: Any) -> None:
-        if len(first_event) < 20:  # a sample with and without spans (every 10th step)
-            first_event.append(event)
-        submit(event)
+    kept = 0
+
+    def keep(build: Any) -> None:
+        # The recorder hands over each step as a callable that the shipper thread calls to
+        # build its StepEvent; keep a sample of the events it builds, with and without
+        # spans (every 10th step).
+        nonlocal kept
+        if kept < 20:
+            kept += 1
+
+            def built() -> Any:
+                event = build()
+                first_event.append(event)
+                return event
+
+            submit(built)
+        else:
+            submit(build)
 
     recorder._emit = keep
     engine.remove_observer(recorder)

@@ -75,14 +75,30 @@ class CollectiveWindow:
     wall_s: float = 0.0
     #: (op, purpose, nbytes, async, start, end) per call, on sampled steps.
     spans: list[tuple[str, str, int, bool, float, float]] | None = None
+    #: Records taken with the window and not folded yet (`CollectiveAggregator.take_later`):
+    #: `stats()` folds them, and `exposed_s`, `wall_s` and `spans` are complete after it.
+    unfolded: list[Any] | None = None
+    max_spans: int = 4096
+    #: Who counts the records of ops outside the vocabulary (folded later).
+    owner: CollectiveAggregator | None = None
+
+    def _fold_later(self) -> None:
+        records, self.unfolded = self.unfolded, None
+        unknown = _fold(self, records or [], self.max_spans)
+        if unknown and self.owner is not None:
+            self.owner.unknown_ops += unknown
 
     def ready(self) -> bool:
+        if self.unfolded is not None:
+            self._fold_later()
         return all(
             rec.cuda_events[1].query() and (rec.cuda_exposed is None or rec.cuda_exposed[1].query())
             for rec in self.pending_cuda
         )
 
     def stats(self) -> list[ev.CollectiveStats]:
+        if self.unfolded is not None:
+            self._fold_later()
         device: list[tuple[float, float]] = []
         ref: Any = self.pending_cuda[0].cuda_events[0] if self.pending_cuda else None
         for rec in self.pending_cuda:
@@ -184,62 +200,93 @@ class CollectiveAggregator:
             window, self._window = self._window, CollectiveWindow()
         return window
 
+    def take_later(self) -> CollectiveWindow:
+        """`take()` with the records left to fold when the window's `stats()` is first
+        read (the recorder's step assembly, on the shipper thread): at the step's end the
+        training thread only takes the list of records out."""
+        with self._lock:
+            pending = self._pending
+            records = pending[:]
+            del pending[: len(records)]  # (records appended meanwhile by another thread stay)
+            window, self._window = self._window, CollectiveWindow()
+        window.unfolded = records
+        window.max_spans = self._max_spans
+        window.owner = self
+        return window
+
+    def discard(self) -> None:
+        """Forget what arrived since the last window was taken (between two steps)."""
+        with self._lock:
+            del self._pending[:]
+            self._window = CollectiveWindow()
+
     def _fold(self) -> None:
         """Add the pending records to the current window (the lock held)."""
         pending = self._pending
         records = pending[:]
         del pending[: len(records)]  # (records appended meanwhile by another thread stay)
-        w = self._window
-        by_op, intervals, buckets_of = w.by_op, w.intervals, ev.LATENCY_BUCKETS
-        spans, max_spans = w.spans, self._max_spans
-        exposed_s = w.exposed_s
-        for rec in records:
-            try:
-                agg = by_op[rec.op][rec.purpose]
-            except KeyError:
-                new = self._agg_of(w, rec)
-                if new is None:
-                    continue
-                agg = new
-            start, end = rec.start, rec.end
-            if rec.cuda_events is not None:
-                w.pending_cuda.append(rec)
-            else:
-                latency = end - start
-                if latency < 0.0:
-                    latency = 0.0
-                agg.count += 1
-                agg.nbytes += int(rec.nbytes)
-                agg.lat_sum += latency
-                if latency > agg.lat_max:
-                    agg.lat_max = latency
-                agg.buckets[bisect_left(buckets_of, latency)] += 1
-                if rec.async_op:
-                    agg.async_count += 1
-                intervals.append((start, end))
-            # On CUDA the exposed time is the compute stream's stall, read with the events.
-            if rec.cuda_exposed is None:
-                exposed = rec.exposed_s
-                if exposed > 0.0:
-                    exposed_s += float(exposed)
-            if spans is not None and len(spans) < max_spans:
-                spans.append((rec.op, agg.purpose, int(rec.nbytes), bool(rec.async_op),
-                              start, end))  # fmt: skip
-        w.exposed_s = exposed_s
+        self.unknown_ops += _fold(self._window, records, self._max_spans)
 
-    def _agg_of(self, w: CollectiveWindow, rec: Any) -> _Agg | None:
-        """The aggregate a record of a new (op, purpose) adds to, now in `w.by_op`; None
-        (counted) for an op outside the vocabulary."""
-        op, purpose = rec.op, rec.purpose
-        if op not in _OPS:
-            self.unknown_ops += 1
-            return None
-        key = (op, purpose if purpose in _PURPOSES else "other")
-        agg = w.aggs.get(key)
-        if agg is None:
-            agg = w.aggs[key] = _Agg(int(rec.world_size), key[1])
-        w.by_op.setdefault(op, {})[purpose] = agg
-        return agg
+
+def _fold(w: CollectiveWindow, records: list[Any], max_spans: int) -> int:
+    """Add `records` to the window's aggregates (one loop, no key tuple per call).
+
+    Returns:
+        How many records were of an op outside the vocabulary (not aggregated).
+    """
+    unknown = 0
+    by_op, intervals, buckets_of = w.by_op, w.intervals, ev.LATENCY_BUCKETS
+    spans = w.spans
+    exposed_s = w.exposed_s
+    for rec in records:
+        try:
+            agg = by_op[rec.op][rec.purpose]
+        except KeyError:
+            new = _agg_of(w, rec)
+            if new is None:
+                unknown += 1
+                continue
+            agg = new
+        start, end = rec.start, rec.end
+        if rec.cuda_events is not None:
+            w.pending_cuda.append(rec)
+        else:
+            latency = end - start
+            if latency < 0.0:
+                latency = 0.0
+            agg.count += 1
+            agg.nbytes += int(rec.nbytes)
+            agg.lat_sum += latency
+            if latency > agg.lat_max:
+                agg.lat_max = latency
+            agg.buckets[bisect_left(buckets_of, latency)] += 1
+            if rec.async_op:
+                agg.async_count += 1
+            intervals.append((start, end))
+        # On CUDA the exposed time is the compute stream's stall, read with the events.
+        if rec.cuda_exposed is None:
+            exposed = rec.exposed_s
+            if exposed > 0.0:
+                exposed_s += float(exposed)
+        if spans is not None and len(spans) < max_spans:
+            spans.append((rec.op, agg.purpose, int(rec.nbytes), bool(rec.async_op),
+                          start, end))  # fmt: skip
+    w.exposed_s = exposed_s
+    return unknown
+
+
+def _agg_of(w: CollectiveWindow, rec: Any) -> _Agg | None:
+    """The aggregate a record of a new (op, purpose) adds to, now in `w.by_op`; None for an
+    op outside the vocabulary."""
+    op, purpose = rec.op, rec.purpose
+    if op not in _OPS:
+        return None
+    key = (op, purpose if purpose in _PURPOSES else "other")
+    agg = w.aggs.get(key)
+    if agg is None:
+        agg = w.aggs[key] = _Agg(int(rec.world_size), key[1])
+    w.by_op.setdefault(op, {})[purpose] = agg
+    return agg
 
 
 __all__ = ["CollectiveAggregator", "CollectiveWindow"]

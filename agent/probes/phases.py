@@ -27,7 +27,10 @@ and lays out the edges of the outermost ones in the order they happened, so the 
 parts are one pass over them (no sort) once their marks are known. On the host the marks
 are known at once: given the step's first and last marks, `take()` pairs, sums and cuts the
 step in that same single pass over the log (the marks are floats already), and the
-recorder's step end costs one loop over the boundaries instead of three.
+recorder's step end costs one loop over the boundaries instead of three. The recorder does
+not even do that on the training thread: `take_later()` slices the step's boundaries out of
+the log and the window pairs them when it is first read, on the shipper thread, where the
+steps of a flush interval are assembled one after another (with warm caches).
 """
 
 from __future__ import annotations
@@ -198,21 +201,50 @@ class PhaseWindow:
         self._totals: dict[str, float] | None = None
         self._parts_for: tuple[Any, float] | None = None
         self._parts: dict[str, float] | None = None
+        #: (boundaries, step start, step end) not paired yet (`PhaseTimer.take_later`).
+        self._later: tuple[list[Any], float, float] | None = None
+
+    @classmethod
+    def later(cls, clock: Clock, codes: PhaseCodes, log: list[Any], step_start: float,
+              step_end: float) -> PhaseWindow:  # fmt: skip
+        """A window of host-clock boundaries (`log`: code, mark, ...) paired when first
+        read, as `PhaseTimer.take(step_start, step_end)` pairs them, no phase being open
+        before the first boundary."""
+        window = cls(clock, codes)
+        window._later = (log, step_start, step_end)
+        return window
+
+    def _pair_later(self) -> None:
+        assert self._later is not None
+        log, origin, end = self._later
+        self._later = None
+        resolved = _pair_resolved(self.codes, log, len(log) & ~1, origin, end)
+        if resolved is not None:
+            self._iv, self._totals, self._parts_for, self._parts = resolved
+            self._edges = None
+        else:
+            self._iv, self._edges = _pair_open(self.codes, log, [])
 
     @property
     def intervals(self) -> list[tuple[str, Any, Any, bool]]:
         """(phase, start mark, end mark, ran inside backward), in the order they ended."""
+        if self._later is not None:
+            self._pair_later()
         names, iv = self.codes.names, self._iv
         return [(names[iv[j]], iv[j + 1], iv[j + 2], iv[j + 3]) for j in range(0, len(iv), 4)]
 
     def ready(self) -> bool:
         if self._on_host:
             return True
+        if self._later is not None:
+            self._pair_later()
         ready, iv = self.clock.ready, self._iv
         return all(ready(iv[j]) for j in range(2, len(iv), 4))
 
     def totals(self) -> dict[str, float]:
         """Seconds per phase, plus `backward_inner` when backward ran."""
+        if self._later is not None:
+            self._pair_later()
         if self._totals is not None:
             return dict(self._totals)
         iv = self._iv
@@ -236,6 +268,8 @@ class PhaseWindow:
 
     def parts(self, step_start: Any, step_s: float) -> dict[str, float]:
         """The step's exclusive parts (`exclusive_parts`), `step_start` its clock mark."""
+        if self._later is not None:
+            self._pair_later()
         if self._parts is not None and self._parts_for == (step_start, step_s):
             return dict(self._parts)
         seconds = self.clock.seconds
@@ -312,143 +346,176 @@ class PhaseTimer:
             and step_end is not None
             and not any(self._open)
         ):
-            window = self._take_resolved(float(step_start), float(step_end))
-            if window is not None:
+            log = self.log
+            n = len(log) & ~1  # (whole boundaries: code, mark)
+            resolved = _pair_resolved(self.codes, log, n, float(step_start), float(step_end))
+            if resolved is not None:
+                del log[:n]
+                window = PhaseWindow(self.clock, self.codes)
+                window._iv, window._totals, window._parts_for, window._parts = resolved
+                window._edges = None  # (no edges laid out: another step's parts sort them)
                 return window
-        return self._take_paired()
-
-    def _take_resolved(self, origin: float, end: float) -> PhaseWindow | None:
-        """`take()` and then `totals()` and `parts(origin, step_s)`, in one pass over the
-        host marks; None (and nothing consumed) when a phase is still open at the end or
-        the marks do not run forward: the general path handles those."""
-        codes = self.codes
-        priority = codes.priority
-        n_phases = len(codes.names)
-        depth = [0] * n_phases  # open starts per phase index
-        outer = [0.0] * n_phases  # the outermost open start's mark
-        sums = [0.0] * n_phases
-        seen = [False] * n_phases
-        backward, grad_reduce = codes.backward, codes.grad_reduce
-        reduce_in_backward = 0.0
-        intervals: list[Any] = []
-        # The cut (`_sweep`), edge by edge as the outermost intervals open and close:
-        # inlined, since a call per edge is what the one pass saves.
-        counts = [0] * len(_BY_PRIORITY)
-        cut = [0.0] * len(_BY_PRIORITY)
-        owner = _OWNER
-        mask = 0
-        prev = 0.0
-        step_s = end - origin
-        if step_s < 0.0:
-            step_s = 0.0
-        log = self.log
-        n = len(log) & ~1  # (whole boundaries: code, mark)
-        it = iter(log[:n])
-        for code, mark in zip(it, it, strict=True):
-            i = code >> 1
-            d = depth[i]
-            if code & 1:  # an end
-                if not d:  # (without a start, attached mid-phase: nothing to time)
-                    continue
-                depth[i] = d - 1
-                if d > 1:  # (nested in the same phase: the outer interval counts)
-                    continue
-                start = outer[i]
-                in_backward = depth[backward] > 0
-                intervals += (i, start, mark, in_backward)
-                seconds = mark - start
-                if seconds > 0.0:
-                    sums[i] += seconds
-                    if in_backward and i == grad_reduce:
-                        reduce_in_backward += seconds
-                seen[i] = True
-                p = -priority[i]
-            else:
-                depth[i] = d + 1
-                if d:
-                    continue
-                outer[i] = mark
-                p = priority[i]
-            if not p:
-                continue
-            t = mark - origin
-            if t > step_s:
-                t = step_s
-            elif t < 0.0:
-                t = 0.0
-            if t > prev:
-                cut[owner[mask]] += t - prev
-                prev = t
-            elif t < prev:
-                return None
-            if p > 0:
-                counts[p] += 1
-                mask |= 1 << p
-            else:
-                counts[-p] -= 1
-                if counts[-p] <= 0:
-                    counts[-p] = 0
-                    mask &= ~(1 << -p)
-        if any(depth):  # still open: timed in the window where they end
-            return None
-        if step_s > prev:
-            cut[owner[mask]] += step_s - prev
-        del log[:n]
-        window = PhaseWindow(self.clock, codes, intervals)
-        window._edges = None  # (no edges laid out: another step's parts sort the intervals)
-        names = codes.names
-        totals = {names[i]: sums[i] for i in range(n_phases) if seen[i]}
-        if "backward" in totals:
-            totals["backward_inner"] = max(totals["backward"] - reduce_in_backward, 0.0)
-        window._totals = totals
-        window._parts_for = (origin, step_s)
-        window._parts = _as_parts(cut)
-        return window
-
-    def _take_paired(self) -> PhaseWindow:
-        codes = self.codes
-        priority = codes.priority
         open_ = self._open
-        while len(open_) < len(codes.names):  # names an adapter added since
+        while len(open_) < len(self.codes.names):  # names an adapter added since
             open_.append([])
-        in_backward = open_[codes.backward]
-        intervals: list[Any] = []
-        edges: list[Any] = []
-        start_edge = [-1] * len(open_)  # where each open outer start sits in edges
-        # Phases still open from the last window enter at their outer start.
-        for i, stack in enumerate(open_):
-            if stack and priority[i]:
-                start_edge[i] = len(edges)
-                edges += (stack[0], priority[i])
         log = self.log
         n = len(log)
-        for j in range(0, n, 2):
-            code = log[j]
-            i = code >> 1
-            stack = open_[i]
-            if not code & 1:  # a start
-                if not stack and priority[i]:
-                    start_edge[i] = len(edges)
-                    edges += (log[j + 1], priority[i])
-                stack.append(log[j + 1])
-            elif stack:  # (an end without a start, attached mid-phase: nothing to time)
-                start = stack.pop()
-                if not stack:  # (nested in the same phase: the outer interval counts)
-                    intervals += (i, start, log[j + 1], bool(in_backward))
-                    if priority[i]:
-                        edges += (log[j + 1], -priority[i])
-                        start_edge[i] = -1
-        # Still open: timed in the window where they end, not here.
-        for i, pos in enumerate(start_edge):
-            if pos >= 0 and open_[i]:
-                edges[pos + 1] = 0
+        intervals, edges = _pair_open(self.codes, log[:n], open_)
         del log[:n]
-        return PhaseWindow(self.clock, codes, intervals, edges)
+        return PhaseWindow(self.clock, self.codes, intervals, edges)
+
+    def take_later(self, step_start: Any, step_end: Any) -> PhaseWindow:
+        """`take(step_start, step_end)` with the pairing left to whoever first reads the
+        window (the recorder's step assembly, on the shipper thread): the step's boundaries
+        are taken out of the log now, a slice, and nothing else is done on the training
+        thread at the step's end. Host clock only, and for a step that started with nothing
+        open (the recorder resets the timer at each step's start); a phase still open at
+        the step's end is not carried over (the next `reset` would forget it). Otherwise
+        this is `take()`."""
+        if not self._on_host or any(self._open):
+            return self.take(step_start, step_end)
+        log = self.log
+        n = len(log) & ~1
+        boundaries = log[:n]
+        del log[:n]
+        return PhaseWindow.later(self.clock, self.codes, boundaries, float(step_start),
+                                 float(step_end))  # fmt: skip
 
     def reset(self) -> None:
         del self.log[:]
         for stack in self._open:
             stack.clear()
+
+
+def _pair_resolved(
+    codes: PhaseCodes, log: list[Any], n: int, origin: float, end: float
+) -> tuple[list[Any], dict[str, float], tuple[float, float], dict[str, float]] | None:
+    """Pair the host-clock boundaries `log[:n]` of one step (starting with no phase open)
+    and, in the same pass, sum the phases and cut the step into its exclusive parts.
+
+    Returns:
+        (intervals, totals, (origin, step_s), parts), or None when a phase is still open
+        at the end or the marks do not run forward (`_pair_open` handles those).
+    """
+    priority = codes.priority
+    n_phases = len(codes.names)
+    depth = [0] * n_phases  # open starts per phase index
+    outer = [0.0] * n_phases  # the outermost open start's mark
+    sums = [0.0] * n_phases
+    seen = [False] * n_phases
+    backward, grad_reduce = codes.backward, codes.grad_reduce
+    reduce_in_backward = 0.0
+    intervals: list[Any] = []
+    # The cut (`_sweep`), edge by edge as the outermost intervals open and close:
+    # inlined, since a call per edge is what the one pass saves.
+    counts = [0] * len(_BY_PRIORITY)
+    cut = [0.0] * len(_BY_PRIORITY)
+    owner = _OWNER
+    mask = 0
+    prev = 0.0
+    step_s = end - origin
+    if step_s < 0.0:
+        step_s = 0.0
+    it = iter(log[:n])
+    for code, mark in zip(it, it, strict=True):
+        i = code >> 1
+        d = depth[i]
+        if code & 1:  # an end
+            if not d:  # (without a start, attached mid-phase: nothing to time)
+                continue
+            depth[i] = d - 1
+            if d > 1:  # (nested in the same phase: the outer interval counts)
+                continue
+            start = outer[i]
+            in_backward = depth[backward] > 0
+            intervals += (i, start, mark, in_backward)
+            seconds = mark - start
+            if seconds > 0.0:
+                sums[i] += seconds
+                if in_backward and i == grad_reduce:
+                    reduce_in_backward += seconds
+            seen[i] = True
+            p = -priority[i]
+        else:
+            depth[i] = d + 1
+            if d:
+                continue
+            outer[i] = mark
+            p = priority[i]
+        if not p:
+            continue
+        t = mark - origin
+        if t > step_s:
+            t = step_s
+        elif t < 0.0:
+            t = 0.0
+        if t > prev:
+            cut[owner[mask]] += t - prev
+            prev = t
+        elif t < prev:
+            return None
+        if p > 0:
+            counts[p] += 1
+            mask |= 1 << p
+        else:
+            counts[-p] -= 1
+            if counts[-p] <= 0:
+                counts[-p] = 0
+                mask &= ~(1 << -p)
+    if any(depth):  # still open: timed in the window where they end
+        return None
+    if step_s > prev:
+        cut[owner[mask]] += step_s - prev
+    names = codes.names
+    totals = {names[i]: sums[i] for i in range(n_phases) if seen[i]}
+    if "backward" in totals:
+        totals["backward_inner"] = max(totals["backward"] - reduce_in_backward, 0.0)
+    return intervals, totals, (origin, step_s), _as_parts(cut)
+
+
+def _pair_open(
+    codes: PhaseCodes, log: list[Any], open_: list[list[Any]]
+) -> tuple[list[Any], list[Any]]:
+    """Pair boundaries (code, mark, ...) into intervals, whatever clock, with the phases
+    open before the first one in `open_` (start marks per phase index; updated: what is
+    still open at the end stays there).
+
+    Returns:
+        (intervals, edges) as `PhaseWindow` takes them.
+    """
+    priority = codes.priority
+    while len(open_) < len(codes.names):
+        open_.append([])
+    in_backward = open_[codes.backward]
+    intervals: list[Any] = []
+    edges: list[Any] = []
+    start_edge = [-1] * len(open_)  # where each open outer start sits in edges
+    # Phases still open from the last window enter at their outer start.
+    for i, stack in enumerate(open_):
+        if stack and priority[i]:
+            start_edge[i] = len(edges)
+            edges += (stack[0], priority[i])
+    for j in range(0, len(log) - 1, 2):
+        code = log[j]
+        i = code >> 1
+        stack = open_[i]
+        if not code & 1:  # a start
+            if not stack and priority[i]:
+                start_edge[i] = len(edges)
+                edges += (log[j + 1], priority[i])
+            stack.append(log[j + 1])
+        elif stack:  # (an end without a start, attached mid-phase: nothing to time)
+            start = stack.pop()
+            if not stack:  # (nested in the same phase: the outer interval counts)
+                intervals += (i, start, log[j + 1], bool(in_backward))
+                if priority[i]:
+                    edges += (log[j + 1], -priority[i])
+                    start_edge[i] = -1
+    # Still open: timed in the window where they end, not here.
+    for i, pos in enumerate(start_edge):
+        if pos >= 0 and open_[i]:
+            edges[pos + 1] = 0
+    return intervals, edges
 
 
 __all__ = ["TOP_LEVEL", "PhaseCodes", "PhaseTimer", "PhaseWindow", "exclusive_parts"]

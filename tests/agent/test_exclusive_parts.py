@@ -106,3 +106,31 @@ def test_a_window_resolved_while_pairing_matches_pairing_then_cutting(
     assert sum(resolved.parts(step_start, 2.0).values()) == pytest.approx(2.0)
     # Asked about another step than the one it was resolved for, it cuts that one.
     assert resolved.parts(100.5, 1.0) == pytest.approx(paired.parts(100.5, 1.0))
+
+
+@pytest.mark.parametrize(
+    "boundaries",
+    [
+        _STEP,
+        _STEP[:-1],  # optimizer_step still open at the end
+        [*_STEP[:3], (False, "param_gather", 100.15), *_STEP[3:]],  # an end before its start
+        [(True, "forward", 99.5), *_STEP, (True, "backward", 102.5), (False, "backward", 103.0)],
+    ],
+    ids=["step", "still-open", "out-of-order", "beyond-the-step"],
+)
+def test_a_window_paired_when_first_read_matches_one_paired_at_take(
+    boundaries: list[tuple[bool, str, float]],
+) -> None:
+    """The recorder takes a step's boundaries out at its end and pairs them later (on the
+    shipper thread): the window reads the same, and the timer starts the next step empty."""
+    step_start, step_end = 100.0, 102.0
+    now = _logged(boundaries).take(step_start, step_end)
+    timer = _logged(boundaries)
+    later = timer.take_later(step_start, step_end)
+    assert timer.log == []
+    timer.start("forward", 103.0)  # the next step's boundaries do not reach the window
+    timer.end("forward", 103.5)
+    assert later.totals() == now.totals()
+    assert later.intervals == now.intervals
+    assert later.parts(step_start, 2.0) == now.parts(step_start, 2.0)
+    assert later.parts(100.5, 1.0) == pytest.approx(now.parts(100.5, 1.0))

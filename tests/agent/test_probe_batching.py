@@ -119,3 +119,25 @@ def test_one_pass_encoding_gives_the_same_bytes() -> None:
     )  # fmt: skip
     assert codec.encode(event) == codec.dumps(codec.to_dict(event))
     assert json.loads(codec.encode(event))["spans"][0]["args"] == {"bytes": 4}
+
+
+def test_collectives_taken_for_later_fold_into_the_same_window() -> None:
+    """The recorder takes a step's records out at its end and folds them when the step's
+    event is built (on the shipper thread): the same statistics, the same spans."""
+    records = [record(latency=1e-3, exposed=5e-4), record(latency=3e-3, exposed=0.0),
+               record(op="all_reduce", purpose="mystery", latency=2e-3, exposed=2e-3),
+               record(op="send")]  # fmt: skip
+    now, later = CollectiveAggregator(), CollectiveAggregator()
+    for agg in (now, later):
+        agg.sample_next(True)
+        for rec in records:
+            agg.record(rec)
+    window_now = now.take()
+    window_later = later.take_later()
+    later.record(record())  # the next step's record stays out of the window taken
+    assert window_later.stats() == window_now.stats()
+    assert later.unknown_ops == now.unknown_ops == 1
+    assert window_later.exposed_s == window_now.exposed_s
+    assert window_later.spans == window_now.spans
+    assert window_later.wall_s == window_now.wall_s
+    assert [s.count for s in later.take().stats()] == [1]
