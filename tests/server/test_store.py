@@ -258,3 +258,26 @@ def test_one_op_twice_in_a_step_is_stored_added_up_with_its_bandwidth(db: Databa
     assert row.buckets == [a + b for a, b in zip(half.buckets, other.buckets, strict=True)]
     assert row.algbw == pytest.approx(4000 / 0.008)
     assert row.busbw == pytest.approx(4000 / 0.008 * 3 / 4)  # (n-1)/n for all-gather
+
+
+def test_text_and_json_with_quotes_backslashes_and_unicode_are_stored_verbatim(
+    db: Database,
+) -> None:
+    """The bulk inserts' parameters (arrays on PostgreSQL, text on SQLite) carry every
+    character a client may send: quotes, backslashes, braces and commas (array syntax),
+    non-ASCII and astral characters."""
+    odd = 'n"o\\de, {1} \'é😀'
+    rc = simulate.run_create(SPEC)
+    store.create_run(db, run=rc)
+    e = dataclasses.replace(simulate.step_event(SPEC, 0, 0), host=odd, scalars={"s": 1.5})
+    e.spans = [ev.Span(name=odd, cat="phase", start=0.0, end=1.0, args={odd: [odd, {odd: 2}]})]
+    result = store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, [e]))
+    assert result is not None and result.accepted == 1
+    with db.read() as conn:
+        host = conn.execute(select(m.rank_states.c.host)).scalar_one()
+        spans = conn.execute(select(m.spans.c.spans)).scalar_one()
+        memory = conn.execute(select(m.steps.c.memory)).scalar_one()
+    assert host == odd
+    assert spans == [{"name": odd, "cat": "phase", "start": 0.0, "end": 1.0,
+                      "args": {odd: [odd, {odd: 2}]}}]  # fmt: skip
+    assert memory == dataclasses.asdict(e.memory)  # type: ignore[arg-type]
