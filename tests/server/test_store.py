@@ -266,7 +266,7 @@ def test_text_and_json_with_quotes_backslashes_and_unicode_are_stored_verbatim(
     """The bulk inserts' parameters (arrays on PostgreSQL, text on SQLite) carry every
     character a client may send: quotes, backslashes, braces and commas (array syntax),
     non-ASCII and astral characters."""
-    odd = 'n"o\\de, {1} \'é😀'
+    odd = "n\"o\\de, {1} 'é😀"
     rc = simulate.run_create(SPEC)
     store.create_run(db, run=rc)
     e = dataclasses.replace(simulate.step_event(SPEC, 0, 0), host=odd, scalars={"s": 1.5})
