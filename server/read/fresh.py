@@ -30,6 +30,7 @@ import time
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -78,24 +79,26 @@ def block_of(
     table = rank_table(rows, colls, row_index=row_index, coll_index=coll_index)
     names = list(table)
     values = np.array([table[n] for n in names]) if names else np.empty((0, len(rows)))
-    op_at, buckets_at, lat_at = (coll_index[k] for k in ("op", "buckets", "latency_sum_s"))
-    by_op: dict[str, tuple[list[int], list[Any], list[float]]] = {}
-    for i, cs in enumerate(colls):
-        for c in cs:
-            got = by_op.get(c[op_at])
-            if got is None:
-                got = by_op[c[op_at]] = ([], [], [])
-            got[0].append(i)
-            got[1].append(c[buckets_at])
-            got[2].append(c[lat_at])
     hists: dict[str, np.ndarray] = {}
     sums: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    for op, (idx, buckets, lats) in by_op.items():
-        at = np.array(idx, dtype=np.int64)
-        h = hists[op] = np.zeros((len(rows), N_BUCKETS), dtype=np.int64)
+    flat = [c for cs in colls for c in cs]
+    if flat:
+        at = np.array([i for i, cs in enumerate(colls) for _ in cs], dtype=np.int64)
+        by_position = list(zip(*flat, strict=True))
+        ops = by_position[coll_index["op"]]
+        op_of = np.array(ops, dtype=object)
+        lats = np.array(by_position[coll_index["latency_sum_s"]], dtype=np.float64)
         # Checked at ingest: one count per bucket (store.validate_batch).
-        np.add.at(h, at, np.array(buckets, dtype=np.int64)[:, :N_BUCKETS])
-        sums[op] = (np.array(lats, dtype=np.float64), at)
+        buckets = np.fromiter(
+            chain.from_iterable(by_position[coll_index["buckets"]]),
+            dtype=np.int64,
+            count=len(flat) * N_BUCKETS,
+        ).reshape(len(flat), N_BUCKETS)
+        for op in dict.fromkeys(ops):
+            sel = np.flatnonzero(op_of == op)
+            h = hists[op] = np.zeros((len(rows), N_BUCKETS), dtype=np.int64)
+            np.add.at(h, at[sel], buckets[sel])
+            sums[op] = (lats[sel], at[sel])
     return Block(names, values, hists, sums)
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import chain
 from typing import Any
 
@@ -203,7 +203,7 @@ def _name(prefix: str, key: str) -> str:
     return name
 
 
-def _floats(values: list[Any]) -> np.ndarray:
+def _floats(values: Sequence[Any]) -> np.ndarray:
     """`values` as float64, NaN where `_num` has no value (None, bools, text, non-finite)."""
     if set(map(type, values)) <= _NUMBERS:
         try:
@@ -231,7 +231,7 @@ class _Table:
             c = self.cols[name] = np.full(self.n, np.nan)
         return c
 
-    def keyed(self, prefix: str, dicts: list[Any]) -> list[str]:
+    def keyed(self, prefix: str, dicts: Sequence[Any]) -> list[str]:
         """prefix.key columns from one {key: number} per rank-step (None or {} for none);
         returns the names written. Rank-steps whose dicts have the same keys in the same
         order (the usual case) are converted together."""
@@ -283,16 +283,14 @@ def rank_table(
     in one block, instead of one Python operation per value."""
     n = len(rows)
     t = _Table(n)
-
-    def column(name: str) -> list[Any]:
-        key: Any = name if row_index is None else row_index[name]
-        return [r[key] for r in rows]
-
+    column = _columns(rows, row_index)
     for name in _PLAIN:
         t.cols[name] = _floats(column(name))
-    step = np.array(column("step_time_s"), dtype=float)
-    exposed = np.array(column("exposed_comm_s"), dtype=float)
-    t.cols["busy_s"] = _floats((step - exposed).tolist())
+    busy = np.array(column("step_time_s"), dtype=float) - np.array(
+        column("exposed_comm_s"), dtype=float
+    )
+    busy[~np.isfinite(busy)] = np.nan
+    t.cols["busy_s"] = busy
     for flag in ("skipped", "nonfinite", "clipped"):
         t.cols[flag] = np.array([1.0 if v else 0.0 for v in column(flag)])
     for prefix, name in (("phase", "phases"), ("part", "parts"), ("scalars", "scalars")):
@@ -320,41 +318,53 @@ def rank_table(
                 total = np.nansum(block, axis=0)
                 total[~have] = np.nan
                 t.cols["memory.state"] = total
-    ci: Any = coll_index or {k: k for k in _COLL_KEYS}
-    op_at, lat_at, count_at, bytes_at, busbw_at, max_at = (ci[k] for k in _COLL_KEYS)
-    by_op: dict[str, tuple[list[int], list[Any]]] = {}
-    for i, cs in enumerate(colls):
-        for c in cs:
-            idx, recs = by_op.setdefault(c[op_at], ([], []))
-            idx.append(i)
-            recs.append(c)
-    for op, (idx, recs) in by_op.items():
-        lat_each = np.array([c[lat_at] for c in recs], dtype=float)
-        lat = np.bincount(idx, weights=lat_each, minlength=n)
-        count = np.bincount(idx, weights=[float(c[count_at]) for c in recs], minlength=n)
-        nbytes = np.bincount(idx, weights=[float(c[bytes_at]) for c in recs], minlength=n)
-        busbw_lat = np.bincount(
-            idx, weights=np.array([c[busbw_at] for c in recs], dtype=float) * lat_each, minlength=n
-        )
-        lat_max = np.zeros(n)
-        np.maximum.at(lat_max, idx, np.array([c[max_at] for c in recs], dtype=float))
-        has = np.bincount(idx, minlength=n) > 0
-        p = f"collective.{op}."
-        with np.errstate(divide="ignore", invalid="ignore"):
-            for name, value, ok in (
-                ("bytes", nbytes, has),
-                ("count", count, has),
-                ("latency_max_s", lat_max, has),
-                ("latency_s", lat / count, has & (count > 0)),
-                ("algbw", nbytes / lat, has & (lat > 0)),
-                ("busbw", busbw_lat / lat, has & (lat > 0)),
-            ):
-                t.cols[p + name] = np.where(ok, value, np.nan)
+    # Every collectives row of every rank-step at once; `at` is the rank-step of each.
+    flat = [c for cs in colls for c in cs]
+    if flat:
+        at = np.array([i for i, cs in enumerate(colls) for _ in cs], dtype=np.int64)
+        coll = _columns(flat, coll_index)
+        ops = coll("op")
+        lat_all = np.array(coll("latency_sum_s"), dtype=float)
+        count_all = np.array(coll("count"), dtype=float)
+        bytes_all = np.array(coll("bytes"), dtype=float)
+        busbw_lat_all = np.array(coll("busbw"), dtype=float) * lat_all
+        max_all = np.array(coll("latency_max_s"), dtype=float)
+        op_of = np.array(ops, dtype=object)
+        for op in dict.fromkeys(ops):
+            sel = np.flatnonzero(op_of == op)
+            idx = at[sel]
+            lat = np.bincount(idx, weights=lat_all[sel], minlength=n)
+            count = np.bincount(idx, weights=count_all[sel], minlength=n)
+            nbytes = np.bincount(idx, weights=bytes_all[sel], minlength=n)
+            busbw_lat = np.bincount(idx, weights=busbw_lat_all[sel], minlength=n)
+            lat_max = np.zeros(n)
+            np.maximum.at(lat_max, idx, max_all[sel])
+            has = np.bincount(idx, minlength=n) > 0
+            p = f"collective.{op}."
+            with np.errstate(divide="ignore", invalid="ignore"):
+                for name, value, ok in (
+                    ("bytes", nbytes, has),
+                    ("count", count, has),
+                    ("latency_max_s", lat_max, has),
+                    ("latency_s", lat / count, has & (count > 0)),
+                    ("algbw", nbytes / lat, has & (lat > 0)),
+                    ("busbw", busbw_lat / lat, has & (lat > 0)),
+                ):
+                    t.cols[p + name] = np.where(ok, value, np.nan)
     return {name: c for name, c in t.cols.items() if not np.isnan(c).all()}
 
 
-#: The collectives columns `rank_table` reads.
-_COLL_KEYS = ("op", "latency_sum_s", "count", "bytes", "busbw", "latency_max_s")
+def _columns(
+    rows: Sequence[Any], index: Mapping[str, int] | None
+) -> Callable[[str], Sequence[Any]]:
+    """name -> that column's values over `rows`: mappings by column name (`index` None), or
+    tuples with `index` {column: position}, transposed once (in C)."""
+    if index is None:
+        return lambda name: [r[name] for r in rows]
+    if not rows:
+        return lambda name: ()
+    by_position = list(zip(*rows, strict=True))
+    return lambda name: by_position[index[name]]
 
 
 def rank_values(row: Mapping[str, Any], colls: Iterable[Mapping[str, Any]]) -> dict[str, float]:
