@@ -33,6 +33,15 @@ Attaching and detaching one run keeps start-up (the run-id broadcast, the shippe
 the run's creation on the server) out of the figures; the shipper keeps working between blocks, so shipping a block's events
 can spill into the next block: a small bias toward 1 (shipping one event costs ~0.1 ms of
 the shipper thread, next to step times of tens of milliseconds).
+
+The shipper posts once per flush interval whatever it holds, so the cost of a POST is
+shared by the steps of one interval. Only one block in three is instrumented here, so at
+the default interval each POST would carry a third of the steps it carries when every step
+is instrumented, and "shipper ms" per instrumented step would count each POST three times
+over. The instrumented run's interval is therefore the default times the number of
+variants (6 s for 2 ranks): a POST carries the steps of 2 s of instrumented training, as in
+a run instrumented throughout. The shipper's CPU is read once everything the measured steps
+handed it has been shipped (a last, partial interval's POST included).
 """
 
 from __future__ import annotations
@@ -59,6 +68,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 WORLD = 2
+#: The blocks interleaved per repeat: without the agent, with it, with a do-nothing observer.
+VARIANTS = ("plain", "agent", "empty")
 #: What each step is timed by: wall clock, the process's CPU time over all its threads (the
 #: agent's shipper included), the training thread's own CPU time.
 KINDS = ("wall", "cpu", "loop")
@@ -216,8 +227,14 @@ def measure_stage(rank: int, stage: int, layers: int, args: argparse.Namespace,
                     n_layers=layers, n_heads=4)  # fmt: skip
     torch.manual_seed(0)
     engine, *_ = zerowatch.initialize(model=GPT(cfg), config=ds_config(stage, args.micro_batch))
+    from zerowatch.agent.config import AgentConfig
+
+    # One block in len(VARIANTS) is instrumented: a POST per len(VARIANTS) default intervals
+    # carries the instrumented steps that one POST carries in a run instrumented throughout.
+    interval = AgentConfig().flush_interval(dist.get_world_size()) * len(VARIANTS)
     run = zerowatch.instrument(engine, server=server, run=f"overhead-stage{stage}-{layers}l",
-                               project="bench", spool_dir=spool)  # fmt: skip
+                               project="bench", spool_dir=spool,
+                               flush_interval_s=interval)  # fmt: skip
     recorder = run._recorder
     first_event: list[Any] = []
     submit = run._transport.submit
@@ -284,7 +301,7 @@ def measure_stage(rank: int, stage: int, layers: int, args: argparse.Namespace,
     plain: list[tuple[float, float, float]] = []
     agent: list[tuple[float, float, float]] = []
     for r in range(args.repeats):
-        for variant in ("plain", "agent", "empty") if r % 2 == 0 else ("empty", "agent", "plain"):
+        for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
             if variant == "agent":
                 engine.add_observer(accounted)
                 agent += steps(args.steps, True)
@@ -295,6 +312,10 @@ def measure_stage(rank: int, stage: int, layers: int, args: argparse.Namespace,
                 engine.remove_observer(empty)
             else:
                 plain += steps(args.steps, False)
+    # What the measured steps handed over is shipped (or spooled) before the clock is read.
+    deadline = time.monotonic() + interval + 30
+    while shipped.sent + shipped.spooled < shipped.submitted and time.monotonic() < deadline:
+        time.sleep(0.05)
     engine.add_observer(recorder)
     shipper_cpu = (
         time.clock_gettime(shipper_clock) - shipper_cpu0 if shipper_clock is not None else 0.0
