@@ -13,11 +13,20 @@ call `yield_to_reads()`: while reads are in flight it waits until they are done,
 most `max_wait_s` (50 ms) at a time, so ingest slows down under a stream of reads but
 never stops. What the writer does not take meanwhile waits in its queue (bounded by
 admission.py, which sheds the excess with Retry-After) and joins a larger group.
+
+A read request also sees one view of each step that is still being rolled up
+(`request_view`): a run page reads the newest steps' rollups several times (its charts, its
+memory and outlier panels, the doctor), and during a backlog every write bumps those steps'
+marks, so each read computed the same steps from their rows again (up to
+rollups.MAX_LIVE_RANK_STEPS each; a run page took 14–22 s in a 1,024-rank storm). Within
+one request a dirty step is computed once, as of the first read that needs it, and every
+later read of the request uses that: one page, one consistent picture.
 """
 
 from __future__ import annotations
 
 import threading
+from contextvars import ContextVar
 from typing import Any
 
 #: Longest a writer or compactor waits for reads, per unit of work.
@@ -59,6 +68,16 @@ class ReadGate:
                 self._cond.wait_for(lambda: self._reads == 0, timeout=self.max_wait_s)
 
 
+#: The dirty steps' rollups the current read request has computed: {(run, step): rollups}.
+_VIEW: ContextVar[dict[tuple[int, int], Any] | None] = ContextVar("zerowatch_view", default=None)
+
+
+def request_view() -> dict[tuple[int, int], Any] | None:
+    """The current read request's rollups of dirty steps (rollups._live fills it), or None
+    outside a request (the compactor, tests calling the reads directly)."""
+    return _VIEW.get()
+
+
 class ReadGateMiddleware:
     """ASGI middleware: every GET and HEAD request counts as a read while it runs."""
 
@@ -71,10 +90,14 @@ class ReadGateMiddleware:
             await self.app(scope, receive, send)
             return
         self.gate.enter()
+        # Set in this request's task: the thread pool runs a handler in a copy of this
+        # context, which holds the same dict.
+        view = _VIEW.set({})
         try:
             await self.app(scope, receive, send)
         finally:
+            _VIEW.reset(view)
             self.gate.leave()
 
 
-__all__ = ["MAX_WAIT_S", "ReadGate", "ReadGateMiddleware"]
+__all__ = ["MAX_WAIT_S", "ReadGate", "ReadGateMiddleware", "request_view"]

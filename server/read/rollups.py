@@ -54,7 +54,7 @@ from zerowatch.server import models as m
 from zerowatch.server.db import Database
 from zerowatch.server.read import fresh
 from zerowatch.server.read.vocabulary import rank_table
-from zerowatch.server.read_gate import ReadGate
+from zerowatch.server.read_gate import ReadGate, request_view
 
 from zerowatch import events as ev
 
@@ -376,11 +376,16 @@ def _live(
     those reads computed up to `MAX_LIVE_RANK_STEPS` rank-steps again (a run page took 8 s
     after a 1,024-rank recovery storm). A mark's version changes in the transaction that
     writes the step's rows, so a result computed after reading version v holds at least
-    the rows of v; a later rank bumps the version and the step is computed anew."""
+    the rows of v; a later rank bumps the version and the step is computed anew. Within
+    one read request a step is computed once, whatever its version does meanwhile
+    (read_gate.request_view)."""
     memo = fresh.of(conn.engine).live
+    view = request_view()  # this request's picture of each step (read_gate.py)
     out, todo = {}, []
     for step, version in versions.items():
-        got = memo.get((pk, step, version))
+        got = view.get((pk, step)) if view is not None else None
+        if got is None:
+            got = memo.get((pk, step, version))
         if got is None:
             todo.append(step)
         else:
@@ -392,6 +397,8 @@ def _live(
             if stats is not None:
                 memo.put((pk, step, versions[step]), stats)
                 out[step] = stats
+    if view is not None:
+        view.update({(pk, step): stats for step, stats in out.items()})
     return dict(sorted(out.items()))
 
 

@@ -4,15 +4,22 @@ a bounded time, and every GET or HEAD counts as a read while it runs."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import pytest
+from fastapi.testclient import TestClient
 from zerowatch.server import store
+from zerowatch.server.app import create_app
 from zerowatch.server.db import Database
 from zerowatch.server.ingest import Ingestor
+from zerowatch.server.read import rollups
+from zerowatch.server.read.fresh import LiveMemo
 from zerowatch.server.read_gate import ReadGate, ReadGateMiddleware
+from zerowatch.server.settings import Settings
 
 from zerowatch import events as ev
 from zerowatch import simulate
@@ -80,3 +87,43 @@ def test_every_get_and_head_counts_as_a_read_while_it_runs() -> None:
             pool.submit(asyncio.run, call(method)).result()
     assert seen == [("GET", 1), ("HEAD", 1), ("POST", 0), ("DELETE", 0)]
     assert gate.reads == 0
+
+
+def test_a_page_computes_each_dirty_step_once_however_often_its_mark_moves(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run page reads the newest steps' rollups several times (charts, memory, outliers,
+    the doctor). With every write bumping their marks in between (as in a recovery storm,
+    played here by a memo that never hits), each read computed them anew; within one
+    request each dirty step is computed once. Outside a request nothing is shared."""
+    spec = simulate.SimSpec(world_size=4, stage=3)
+    settings = Settings(db_url=sqlite_url, rollup_interval_s=3600.0)  # steps stay dirty
+    computed: list[int] = []
+    real = rollups.compute
+
+    def counting(conn: Any, pk: int, steps: Any, **kw: Any) -> Any:
+        computed.extend(steps)
+        return real(conn, pk, steps, **kw)
+
+    monkeypatch.setattr(rollups, "compute", counting)
+    monkeypatch.setattr(LiveMemo, "get", lambda self, key: None)
+    with TestClient(create_app(settings)) as c:
+        rc = simulate.run_create(spec, run_id="dirty")
+        assert c.post("/api/v1/runs", json=dataclasses.asdict(rc)).status_code == 201
+        events = [simulate.step_event(spec, r, s) for s in range(6) for r in range(4)]
+        body = {"run_id": "dirty", "events": [dataclasses.asdict(e) for e in events]}
+        assert c.post("/api/v1/runs/dirty/events", json=body).json()["accepted"] == 24
+        assert c.get("/runs/dirty").status_code == 200
+        assert sorted(computed) == list(range(6)), computed
+        computed.clear()
+        assert c.get("/runs/dirty/figures.json").status_code == 200
+        assert sorted(computed) == list(range(6)), computed  # a new request, a new view
+    db = Database.open(sqlite_url)
+    try:
+        with db.read() as conn:
+            computed.clear()
+            rollups.read(conn, 1, ["step_time_s"])
+            rollups.read(conn, 1, ["step_time_s"])
+            assert sorted(computed) == sorted([*range(6), *range(6)])
+    finally:
+        db.close()
