@@ -191,7 +191,11 @@ def instrument(
     on_cuda = job.device.startswith("cuda")
     device = adapter.torch_device() if on_cuda else None
     clock = CudaClock(device) if on_cuda else HostClock()
-    memory = CudaMemoryProbe(job.theory, device) if on_cuda else MemoryProbe(job.theory)
+    memory = (
+        CudaMemoryProbe(job.theory, device)
+        if on_cuda
+        else MemoryProbe(job.theory, every=config.memory_every)
+    )
     seq = itertools.count()
     recorder = StepRecorder(
         adapter=adapter, job=job, config=config, health=health, clock=clock,

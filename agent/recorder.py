@@ -292,8 +292,9 @@ class StepRecorder:
         self._timer.reset()
         self._collectives.discard()
         self._offload.take()
-        every = self._cfg.spans_every
-        self._sampled = bool(every) and (self._step - self._job.global_step) % every == 0
+        every, n = self._cfg.spans_every, self._step - self._job.global_step
+        self._sampled = bool(every) and n % every == 0
+        self._memory.begin_step(n)
         self._collectives.sample_next(self._sampled)
         self._offload.sample_next(self._sampled)
         self._step_start = self._clock.mark(t)
