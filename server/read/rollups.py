@@ -22,7 +22,9 @@ How the rollups stay exact:
 3. Readers (`read`) take stored rollups and compute any still-dirty steps in their range on
    the fly (the newest: at most `MAX_LIVE_STEPS`, and `MAX_LIVE_RANK_STEPS` rank-steps), so
    an answer is exact and current even before the compactor ran, and costs the same at any
-   world size; during a backlog (a recovery storm) older dirty steps wait for the compactor.
+   world size; during a backlog (a recovery storm) older dirty steps wait for the compactor,
+   and a reader computes a quarter as many (`BACKLOG_FACTOR`). One read request computes a
+   dirty step once, however many reads it makes (read_gate.request_view).
 
 Quantiles are linear interpolations between order statistics (numpy's default); ties for
 the min or max name the lowest rank. Several server processes may compact at once: on
@@ -84,6 +86,13 @@ MAX_LIVE_STEPS = 256
 #: steps x 4,096 ranks of rows per request, and a few such requests at once took the
 #: server past 12 GB (bench/faults.py, 4,096 ranks).
 MAX_LIVE_RANK_STEPS = 32_768
+#: A backlog: more dirty steps than this many times what a reader computes (the compactor
+#: is behind, as in a recovery storm). A reader then computes a quarter as many: the newest
+#: steps of a backlog are partial anyway (their ranks are still replaying), and while the
+#: writer and the compactor have minutes of work on the same cores, every page's read of
+#: them from the rows was what kept a run page from answering in under 2 s
+#: (bench/faults.py).
+BACKLOG_FACTOR = 4
 N_BUCKETS = len(ev.LATENCY_BUCKETS) + 1
 _CHUNK = 400
 #: ... and at most this many rank-steps a chunk (8 steps at 4,096 ranks): a chunk's rows
@@ -407,11 +416,12 @@ def _world_size(conn: Connection, pk: int) -> int:
     return max(int(world or 1), 1)
 
 
-def live_steps(conn: Connection, pk: int, world: int | None = None) -> int:
+def live_steps(conn: Connection, pk: int, world: int | None = None, *, dirty: int = 0) -> int:
     """How many dirty steps of run `pk` (of `world` ranks, else looked up) a reader computes
-    itself (see `read`)."""
+    itself (see `read`), when `dirty` steps are dirty (a backlog: BACKLOG_FACTOR)."""
     world = world if world is not None else _world_size(conn, pk)
-    return max(1, min(MAX_LIVE_STEPS, MAX_LIVE_RANK_STEPS // world))
+    n = max(1, min(MAX_LIVE_STEPS, MAX_LIVE_RANK_STEPS // world))
+    return max(1, n // BACKLOG_FACTOR) if dirty > BACKLOG_FACTOR * n else n
 
 
 def read(
@@ -428,8 +438,9 @@ def read(
 
     Stored rollups, with the newest dirty steps of the range computed from the per-rank
     rows (see the module docstring): at most `MAX_LIVE_STEPS`, and at most
-    `MAX_LIVE_RANK_STEPS` rank-steps (so a read costs the same at any world size); older
-    dirty steps are left out until the compactor has rolled them up. `extra=False` leaves
+    `MAX_LIVE_RANK_STEPS` rank-steps (so a read costs the same at any world size), a quarter
+    of that in a backlog (`BACKLOG_FACTOR`); older dirty steps are left out until the
+    compactor has rolled them up. `extra=False` leaves
     the outlier lists and histograms out (they are most of a rollup row's bytes).
     `metrics=None`: all.
     """
@@ -463,13 +474,14 @@ def read(
         metric, step, n, lo, p10, p50, p90, hi, mean, lo_rank, hi_rank = row[:11]
         more = (row[11] or {}) if extra else {}
         out[metric][int(step)] = Stats(n, lo, p10, p50, p90, hi, mean, lo_rank, hi_rank, more)
+    dirty = len(versions)
     if steps_in is not None:
         keep = set(steps_in)
         versions = {st: v for st, v in versions.items() if st in keep}
     live: dict[int, dict[str, Stats]] = {}
     if versions:
         world = _world_size(conn, pk)
-        newest = sorted(versions)[-live_steps(conn, pk, world) :]
+        newest = sorted(versions)[-live_steps(conn, pk, world, dirty=dirty) :]
         live = _live(conn, pk, {st: versions[st] for st in newest}, world)
     names = list(metrics) if metrics is not None else None
     for step, stats in live.items():

@@ -176,3 +176,23 @@ def test_a_reader_computes_a_bounded_number_of_rank_steps_of_a_backlog(
     with db.read() as conn:
         got = rollups.read(conn, pk, ["step_time_s"])["step_time_s"]
         assert sorted(got) == list(range(10)) and all(st.n == 8 for st in got.values())
+
+
+def test_in_a_backlog_a_reader_computes_a_quarter_of_its_share(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A budget of 64 rank-steps of an 8-rank run: 8 steps. With 40 steps dirty (more than
+    # BACKLOG_FACTOR x 8: the compactor is behind) a reader computes the newest 2 itself.
+    monkeypatch.setattr(rollups, "MAX_LIVE_RANK_STEPS", 64)
+    spec = simulate.SimSpec(name="storm", world_size=8, stage=3)
+    rc = simulate.run_create(spec)
+    pk, _ = store.create_run(db, run=rc)
+    events = [simulate.step_event(spec, r, s) for s in range(40) for r in range(8)]
+    store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, events))
+    with db.read() as conn:
+        assert rollups.live_steps(conn, pk, dirty=32) == 8  # no backlog: its whole share
+        assert rollups.live_steps(conn, pk, dirty=40) == 2
+        assert sorted(rollups.read(conn, pk, ["step_time_s"])["step_time_s"]) == [38, 39]
+        # A read of a range that holds no backlog computes its whole share.
+        got = rollups.read(conn, pk, ["step_time_s"], step_from=20)["step_time_s"]
+        assert sorted(got) == list(range(32, 40))
