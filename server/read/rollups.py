@@ -474,7 +474,12 @@ def read(
         metric, step, n, lo, p10, p50, p90, hi, mean, lo_rank, hi_rank = row[:11]
         more = (row[11] or {}) if extra else {}
         out[metric][int(step)] = Stats(n, lo, p10, p50, p90, hi, mean, lo_rank, hi_rank, more)
-    dirty = len(versions)
+    # A backlog is the run's: a read of a range counts every dirty step of the run.
+    dirty = (
+        len(versions)
+        if step_from is None and step_to is None
+        else conn.execute(select(func.count()).where(m.dirty_steps.c.run == pk)).scalar_one()
+    )
     if steps_in is not None:
         keep = set(steps_in)
         versions = {st: v for st, v in versions.items() if st in keep}

@@ -193,6 +193,13 @@ def test_in_a_backlog_a_reader_computes_a_quarter_of_its_share(
         assert rollups.live_steps(conn, pk, dirty=32) == 8  # no backlog: its whole share
         assert rollups.live_steps(conn, pk, dirty=40) == 2
         assert sorted(rollups.read(conn, pk, ["step_time_s"])["step_time_s"]) == [38, 39]
-        # A read of a range that holds no backlog computes its whole share.
-        got = rollups.read(conn, pk, ["step_time_s"], step_from=20)["step_time_s"]
-        assert sorted(got) == list(range(32, 40))
+        # The backlog is the run's: a read of a range of it computes as little.
+        got = rollups.read(conn, pk, ["step_time_s"], step_from=30)["step_time_s"]
+        assert sorted(got) == [38, 39]
+    rollups.Compactor(db).run_once(settle=False)  # max_steps 256: the backlog is gone
+    store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, [
+        simulate.step_event(spec, r, s) for s in range(40, 60) for r in range(8)
+    ]))  # fmt: skip
+    with db.read() as conn:
+        got = rollups.read(conn, pk, ["step_time_s"], step_from=50)["step_time_s"]
+        assert sorted(got) == list(range(52, 60))  # 20 dirty: no backlog, the whole share
