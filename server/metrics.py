@@ -204,13 +204,17 @@ def _collect_run(conn: Connection, fam: _Families, row: Any, *, top_k: int, now:
     # The newest step the compactor has rolled up: its ranks have arrived (a step still
     # arriving would show part of its distribution) and reading it costs a row per metric.
     # A run with nothing rolled up yet shows its newest step, computed from its rows.
+    # Their stored rollups, as the compactor left them: a late rank that marked them dirty
+    # again shows at the next scrape after the compactor's next pass, and a scrape during a
+    # backlog does not compute steps from rows.
     step = rollups.newest_rolled_up(conn, pk, "step_time_s")
+    live = step is None
     if step is None:
         newest = rollups.newest_steps(conn, pk, "step_time_s", 1)
         if not newest:
             return
         step = newest[0]
-    got: dict[str, dict[int, Stats]] = rollups.read(conn, pk, None, steps_in=[step])
+    got: dict[str, dict[int, Stats]] = rollups.read(conn, pk, None, steps_in=[step], live=live)
     for stat in STATS:
         values = {name: per[step].get(stat) for name, per in got.items() if step in per}
         _add_values(fam, run, values, stat=stat, rank="", per_rank=False)
@@ -223,7 +227,7 @@ def _collect_run(conn: Connection, fam: _Families, row: Any, *, top_k: int, now:
             o["rank"]
             for o in series.outliers(
                 conn, pk, "busy_s", k=top_k, step_from=step - OUTLIER_WINDOW + 1, step_to=step,
-                low=False,
+                low=False, live=live,
             )
         ]  # fmt: skip
         for rank, values in sorted(_outlier_values(conn, pk, ranks, step).items()):

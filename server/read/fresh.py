@@ -322,17 +322,17 @@ def columns(entries: Sequence[tuple[int, Entry]]) -> StepColumns:
 
 
 class LiveMemo:
-    """Rollups of dirty steps computed by readers, by (run, step, version of its mark):
+    """Rollups of dirty steps computed by readers, by (run, step, (version, since) of its mark):
     what rollups.read computed once, given again while the step's rows have not changed
     (see rollups._live). Least recently used out first; thread-safe."""
 
     def __init__(self, max_steps: int = 256) -> None:
         self.max_steps = max_steps
         self._lock = threading.Lock()
-        self._memo: dict[tuple[int, int, int], Any] = {}
+        self._memo: dict[tuple[int, int, tuple[int, float]], Any] = {}
         self.hits = 0
 
-    def get(self, key: tuple[int, int, int]) -> Any:
+    def get(self, key: tuple[int, int, tuple[int, float]]) -> Any:
         with self._lock:
             got = self._memo.pop(key, None)
             if got is not None:
@@ -340,7 +340,7 @@ class LiveMemo:
                 self.hits += 1
             return got
 
-    def put(self, key: tuple[int, int, int], value: Any) -> None:
+    def put(self, key: tuple[int, int, tuple[int, float]], value: Any) -> None:
         with self._lock:
             self._memo.pop(key, None)
             self._memo[key] = value

@@ -364,23 +364,26 @@ def dirty_in(
 
 def dirty_versions(
     conn: Connection, pk: int, *, step_from: int | None = None, step_to: int | None = None
-) -> dict[int, int]:
-    """{step: version of its mark} of run `pk`'s stale steps (in the range), ascending."""
+) -> dict[int, tuple[int, float]]:
+    """{step: (version, since) of its mark} of run `pk`'s stale steps (in the range),
+    ascending. Together the two name one state of a step's rows: every write bumps the
+    version and sets `since`, and a mark the compactor cleared that a late rank sets again
+    starts at version 1 again, but at a later `since`."""
     d = m.dirty_steps.c
     conds = [d.run == pk]
     if step_from is not None:
         conds.append(d.step >= step_from)
     if step_to is not None:
         conds.append(d.step <= step_to)
-    q = select(d.step, d.version).where(*conds).order_by(d.step)
-    return {int(st): int(v) for st, v in conn.execute(q)}
+    q = select(d.step, d.version, d.since).where(*conds).order_by(d.step)
+    return {int(st): (int(v), float(since)) for st, v, since in conn.execute(q)}
 
 
 def _live(
-    conn: Connection, pk: int, versions: dict[int, int], world: int
+    conn: Connection, pk: int, versions: dict[int, tuple[int, float]], world: int
 ) -> dict[int, dict[str, Stats]]:
-    """The rollups of dirty steps ({step: its mark's version}), computed from the rows
-    once per version: a run page reads the rollups of the same newest steps several
+    """The rollups of dirty steps ({step: its mark's (version, since)}), computed from the
+    rows once per version: a run page reads the rollups of the same newest steps several
     times (its charts, the run resource, the doctor), and while a backlog lasts each of
     those reads computed up to `MAX_LIVE_RANK_STEPS` rank-steps again (a run page took 8 s
     after a 1,024-rank recovery storm). A mark's version changes in the transaction that
@@ -433,8 +436,10 @@ def read(
     step_to: int | None = None,
     steps_in: Sequence[int] | None = None,
     extra: bool = False,
+    live: bool = True,
 ) -> dict[str, dict[int, Stats]]:
-    """{metric: {step: Stats}} for run `pk`, current to the last ingested rank-step.
+    """{metric: {step: Stats}} for run `pk`, current to the last ingested rank-step
+    (`live=False`: the stored rollups alone, as the compactor last left them).
 
     Stored rollups, with the newest dirty steps of the range computed from the per-rank
     rows (see the module docstring): at most `MAX_LIVE_STEPS`, and at most
@@ -450,7 +455,7 @@ def read(
     # newer commit than the one before. Read the other way round, a step rolled up in
     # between was in neither (a /metrics scrape of a restarted server showed no rank
     # statistics at all); this way it is in one or both (then the live one is used).
-    versions = dirty_versions(conn, pk, step_from=step_from, step_to=step_to)
+    versions = dirty_versions(conn, pk, step_from=step_from, step_to=step_to) if live else {}
     # The primary key is (run, metric, step): naming the metrics lets a read of some steps
     # seek each (metric, step) instead of reading every rollup of the run.
     conds = [
@@ -477,25 +482,25 @@ def read(
     # A backlog is the run's: a read of a range counts every dirty step of the run.
     dirty = (
         len(versions)
-        if step_from is None and step_to is None
+        if (step_from is None and step_to is None) or not versions
         else conn.execute(select(func.count()).where(m.dirty_steps.c.run == pk)).scalar_one()
     )
     if steps_in is not None:
         keep = set(steps_in)
         versions = {st: v for st, v in versions.items() if st in keep}
-    live: dict[int, dict[str, Stats]] = {}
+    computed: dict[int, dict[str, Stats]] = {}
     if versions:
         world = _world_size(conn, pk)
         newest = sorted(versions)[-live_steps(conn, pk, world, dirty=dirty) :]
-        live = _live(conn, pk, {st: versions[st] for st in newest}, world)
+        computed = _live(conn, pk, {st: versions[st] for st in newest}, world)
     names = list(metrics) if metrics is not None else None
-    for step, stats in live.items():
+    for step, stats in computed.items():
         for name in names if names is not None else [*out, *stats]:
             if name in stats:
                 out[name][step] = stats[name]
             elif name in out:
                 out[name].pop(step, None)
-    if live:
+    if computed:
         for name in out:
             out[name] = dict(sorted(out[name].items()))
     return dict(out)

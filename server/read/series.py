@@ -179,8 +179,10 @@ def outliers(
     step_from: int | None = None,
     step_to: int | None = None,
     low: bool | None = None,
+    live: bool = True,
 ) -> list[dict[str, Any]]:
-    """The `k` ranks that stand out in the range, from the rollups' outlier lists.
+    """The `k` ranks that stand out in the range, from the rollups' outlier lists
+    (`live=False`: the stored rollups alone, see rollups.read).
 
     A rank's score is how many steps it sits among a step's outliers (the `TOP_K` highest,
     or lowest where `low`), then its mean value there: a rank slow in every step comes
@@ -191,7 +193,9 @@ def outliers(
         "median": the run's median of the per-step medians}] worst first.
     """
     low = low_is_bad(metric) if low is None else low
-    got = rollups.read(conn, pk, [metric], step_from=step_from, step_to=step_to, extra=True)
+    got = rollups.read(
+        conn, pk, [metric], step_from=step_from, step_to=step_to, extra=True, live=live
+    )
     per_step = got[metric]
     seen: Counter[int] = Counter()
     sums: dict[int, float] = defaultdict(float)

@@ -203,3 +203,24 @@ def test_in_a_backlog_a_reader_computes_a_quarter_of_its_share(
     with db.read() as conn:
         got = rollups.read(conn, pk, ["step_time_s"], step_from=50)["step_time_s"]
         assert sorted(got) == list(range(52, 60))  # 20 dirty: no backlog, the whole share
+
+
+def test_a_read_without_live_steps_gives_the_stored_rollups_alone(db: Database) -> None:
+    """What /metrics reads for a run that has rolled-up steps: a rank arriving late marks
+    a step dirty again, and the read keeps the stored rollup until the compactor's pass."""
+    spec = simulate.SimSpec(name="late", world_size=3, stage=3)
+    rc = simulate.run_create(spec)
+    pk, _ = store.create_run(db, run=rc)
+    first = [simulate.step_event(spec, r, s) for s in range(3) for r in range(2)]
+    store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, first))
+    with db.read() as conn:
+        assert rollups.read(conn, pk, ["step_time_s"], live=False)["step_time_s"] == {}
+        assert sorted(rollups.read(conn, pk, ["step_time_s"])["step_time_s"]) == [0, 1, 2]
+    rollups.Compactor(db).flush()
+    late = [simulate.step_event(spec, 2, s) for s in range(3)]
+    store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, late))
+    with db.read() as conn:
+        stored = rollups.read(conn, pk, ["step_time_s"], live=False)["step_time_s"]
+        current = rollups.read(conn, pk, ["step_time_s"])["step_time_s"]
+    assert [st.n for st in stored.values()] == [2, 2, 2]
+    assert [st.n for st in current.values()] == [3, 3, 3]
