@@ -48,6 +48,9 @@ class OffloadProbe:
         return True
 
     def take(self) -> tuple[list[ev.OffloadStats], list[tuple[str, int, float, float]] | None]:
+        if not self._totals and not self._spans:  # no copies (most engines, most steps)
+            self._spans = None
+            return [], None
         with self._lock:
             totals, self._totals = self._totals, {}
             spans, self._spans = self._spans, None
