@@ -82,6 +82,8 @@ class MemoryProbe:
         self.reading = True
         self._last_peaks: dict[str, int] = {}
         self._last_rss_peak = 0
+        self._last_stats: ev.MemoryStats | None = None
+        self._last_state: dict[str, int] | None = None
 
     def begin_step(self, n: int) -> None:
         """The `n`-th recorded step starts: it reads the RSS on every `every`-th step (and
@@ -100,17 +102,25 @@ class MemoryProbe:
             self._peaks[phase] = value
 
     def take(self, model_state: dict[str, int]) -> ev.MemoryStats:
+        """The step's MemoryStats. A step that read nothing gets the last step's object
+        again when the model-state bytes are the same ones (the recorder reads those on the
+        same steps): an event's MemoryStats is only ever encoded, never changed."""
+        last = self._last_stats
+        if not self.reading and last is not None and self._last_state is model_state:
+            return last
         if self.reading:
             self._last_peaks, self._peaks = self._peaks, {}
             # ru_maxrss is updated lazily by the kernel: never report less than we saw.
             self._last_rss_peak = max(rss_peak_bytes(), self._rss_seen)
-        return ev.MemoryStats(
+        stats = ev.MemoryStats(
             peak_by_phase=dict(self._last_peaks),
             model_state=dict(model_state),
             model_state_theory=dict(self._theory),
             device="cpu",
             rss_peak_bytes=self._last_rss_peak,
         )
+        self._last_stats, self._last_state = stats, model_state
+        return stats
 
     def close(self) -> None:
         self._rss.close()

@@ -31,6 +31,14 @@ def test_rss_is_read_every_nth_step_and_repeated_between() -> None:
         assert set(e.peak_by_phase) == {"forward", "backward", "optimizer_step"}
         assert e.rss_peak_bytes >= max(e.peak_by_phase.values())
         assert e.model_state == {"params": 4} and e.model_state_theory == {"params": 1}
+    # The same model-state bytes on a step that reads nothing: the last step's stats again.
+    state = {"params": 4}
+    probe.begin_step(7)
+    first = probe.take(state)
+    probe.begin_step(8)
+    assert probe.take(state) is first
+    probe.begin_step(9)
+    assert probe.take({"params": 5}).model_state == {"params": 5}
     probe._rss = real
     probe.close()
 
