@@ -44,9 +44,15 @@ def dumps(obj: dict[str, Any]) -> bytes:
 
 
 def _fields(obj: Any) -> dict[str, Any]:
-    if not hasattr(obj, "__dataclass_fields__"):
+    fields = getattr(obj, "__dataclass_fields__", None)
+    if fields is None:
         raise TypeError(f"cannot encode {type(obj).__name__} as JSON")
-    return {name: getattr(obj, name) for name in obj.__dataclass_fields__}
+    # A wire dataclass's instance dict holds its fields, in their order, and nothing else
+    # when it has as many entries: handed over as it is, no copy.
+    own = getattr(obj, "__dict__", None)
+    if own is not None and len(own) == len(fields):
+        return own  # type: ignore[no-any-return]
+    return {name: getattr(obj, name) for name in fields}
 
 
 #: json's C encoder walks the lists, dicts and numbers itself and asks `_fields` only for
