@@ -95,10 +95,12 @@ MAX_LIVE_RANK_STEPS = 32_768
 BACKLOG_FACTOR = 4
 N_BUCKETS = len(ev.LATENCY_BUCKETS) + 1
 _CHUNK = 400
-#: ... and at most this many rank-steps a chunk (8 steps at 4,096 ranks): a chunk's rows
-#: are held as dicts with their JSON decoded, and 400 steps of a 4,096-rank run (1.6 million
-#: rows) took the compactor past 7 GB after a recovery storm (bench/faults.py).
-_CHUNK_RANK_STEPS = 32_768
+#: ... and at most this many rank-steps a chunk (one step at 4,096 ranks): a chunk's rows
+#: are held as dicts with their JSON decoded (400 steps of a 4,096-rank run, 1.6 million
+#: rows, took the compactor past 7 GB after a recovery storm), and the compactor steps
+#: aside for reads between chunks, so a chunk is what a read may wait behind (at 32,768
+#: rank-steps a /metrics scrape in a 4,096-rank storm took up to 1.8 s; bench/faults.py).
+_CHUNK_RANK_STEPS = 4_096
 
 
 @dataclass(slots=True)
