@@ -15,8 +15,9 @@ alternates between repeats, so drift hits both alike), timing every step by wall
 by the process's CPU time over all threads (the agent's shipper thread included) and by
 the training thread's own CPU time ("loop"). It prints, per stage, the median step time
 with and without the agent and the three ratios (the goal: at most 1.01 at stage 3), and
-what the agent holds in memory: the events in its bounded queue (peak and bound) and the
-mean size of an event. A last row trains stage 3 on a model of the same width with
+what the agent holds in memory: the steps in its bounded queue (peak and bound), the mean
+size of an event and of a queued step ("draft KiB": the queue holds each step's draft, its
+raw boundaries and collective records, until the shipper thread builds the event). A last row trains stage 3 on a model of the same width with
 `--deep-layers` blocks (48): the agent's callbacks grow with the number of modules, so this
 row shows whether its share of the step stays put when they do.
 
@@ -207,6 +208,44 @@ class Accounted:
         return call
 
 
+def queued_size(build: Any) -> int:
+    """Bytes a queued step holds until the shipper builds its event: the recorder's draft
+    (the step's raw phase boundaries and collective records, its memory and optimizer
+    stats), walked object by object; what it shares with the agent (phase codes, clock,
+    probes) and small ints and strings (shared by the interpreter) are not counted."""
+    import functools
+    import types
+
+    from zerowatch.agent.probes import CollectiveAggregator
+    from zerowatch.agent.probes.phases import PhaseCodes
+
+    root = build.args[0] if isinstance(build, functools.partial) and build.args else build
+    seen: set[int] = set()
+    shared = (PhaseCodes, CollectiveAggregator, type, types.ModuleType, types.FunctionType,
+              types.MethodType, str)  # fmt: skip
+
+    def size(obj: Any) -> int:
+        if id(obj) in seen or isinstance(obj, shared) or obj is None:
+            return 0
+        if isinstance(obj, int) and -5 <= obj <= 256:
+            return 0
+        if type(obj).__name__ in ("HostClock", "CudaClock"):
+            return 0
+        seen.add(id(obj))
+        n = sys.getsizeof(obj)
+        if isinstance(obj, dict):
+            n += sum(size(k) + size(v) for k, v in obj.items())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            n += sum(size(x) for x in obj)
+        elif hasattr(obj, "__dict__"):
+            n += size(vars(obj))
+        elif hasattr(obj, "__slots__"):
+            n += sum(size(getattr(obj, a)) for a in obj.__slots__ if hasattr(obj, a))
+        return n
+
+    return size(root)
+
+
 class _Empty:
     """An observer that does nothing (its callbacks, timed, calibrate the timing)."""
 
@@ -240,12 +279,15 @@ def measure_stage(rank: int, stage: int, layers: int, args: argparse.Namespace,
     submit = run._transport.submit
 
     kept = 0
+    draft_sizes: list[int] = []
 
     def keep(build: Any) -> None:
         # The recorder hands over each step as a callable that the shipper thread calls to
         # build its StepEvent; keep a sample of the events it builds, with and without
         # spans (every 10th step).
         nonlocal kept
+        if kept < 2:  # the two warm-up steps, before anything is timed
+            draft_sizes.append(queued_size(build))
         if kept < 20:
             kept += 1
 
@@ -322,7 +364,7 @@ def measure_stage(rank: int, stage: int, layers: int, args: argparse.Namespace,
     )
     run.close()
     event_bytes = 0
-    if first_event:  # mean in-memory size of a StepEvent, as the queue holds it
+    if first_event:  # mean in-memory size of a StepEvent, as the shipper builds it
         tracemalloc.start()
         before = tracemalloc.get_traced_memory()[0]
         copies = [copy.deepcopy(e) for _ in range(10) for e in first_event]
@@ -342,6 +384,7 @@ def measure_stage(rank: int, stage: int, layers: int, args: argparse.Namespace,
         "callbacks": accounted.calls / max(len(agent), 1),
         "shipper_cpu": shipper_cpu / max(len(agent), 1),
         "event_bytes": event_bytes,
+        "draft_bytes": sum(draft_sizes) // max(len(draft_sizes), 1),
         "queue_size": run.config.queue_size,
     }
 
@@ -395,7 +438,7 @@ def main() -> None:
           f"{args.steps} steps per variant, {where(args)}, "
           f"{wall:.0f} s")  # fmt: skip
     print(f"{'stage':>5}  {'layers':>6}  {'plain ms':>9}  {'agent ms':>9}  {'wall':>6}  {'CPU ms':>7}  "
-          f"{'CPU':>6}  {'loop':>6}  {'hooks ms':>8}  {'callbacks':>9}  {'us/cb':>5}  {'shipper ms':>10}  {'agent %':>7}  {'event KiB':>9}  {'queue peak':>10}  "
+          f"{'CPU':>6}  {'loop':>6}  {'hooks ms':>8}  {'callbacks':>9}  {'us/cb':>5}  {'shipper ms':>10}  {'agent %':>7}  {'event KiB':>9}  {'draft KiB':>9}  {'queue peak':>10}  "
           f"{'queue bound MiB':>15}  {'sent':>5}  {'spooled':>7}  {'dropped':>7}")  # fmt: skip
     for v in variants(args):
         stage, layers = v
@@ -406,8 +449,9 @@ def main() -> None:
 
         ratio = {k: med(f"agent_{k}") / med(f"plain_{k}") for k in KINDS}
         event = max(r["event_bytes"] for r in per_rank)
+        draft = max(r["draft_bytes"] for r in per_rank)
         peak = max(r["stats"]["queue_peak"] for r in per_rank)
-        bound = per_rank[0]["queue_size"] * event / 2**20
+        bound = per_rank[0]["queue_size"] * max(event, draft) / 2**20
         sent = sum(r["stats"]["sent"] for r in per_rank)
         spooled = sum(r["stats"]["spooled"] for r in per_rank)
         dropped = sum(r["stats"]["dropped_events"] for r in per_rank)
@@ -417,7 +461,7 @@ def main() -> None:
               f"{med('callbacks'):>9.0f}  {med('callback_us'):>5.2f}  "
               f"{med('shipper_cpu') * 1e3:>10.3f}  "
               f"{100 * (med('hooks_cpu') + med('shipper_cpu')) / med('plain_cpu'):>7.2f}  "
-              f"{event / 1024:>9.1f}  {peak:>10}  {bound:>15.1f}  "
+              f"{event / 1024:>9.1f}  {draft / 1024:>9.1f}  {peak:>10}  {bound:>15.1f}  "
               f"{sent:>5}  {spooled:>7}  {dropped:>7}")  # fmt: skip
     for v in variants(args):
         per_rank = [r[v] for r in ranks]
