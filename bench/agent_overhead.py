@@ -27,7 +27,8 @@ callback. That cost is measured the same way inside training, around an observer
 nothing, in blocks of steps of its own (a third variant beside plain and agent): between
 the engine's kernels, which evict the CPU's caches, reading the clock costs several times
 what it does in a tight loop. "us/cb" is the callbacks' CPU over their number (the work at
-the step boundaries, assembling the step's event, included). On a machine shared with other work the wall clock carries the noise
+the step boundaries included; building the step's event from its draft is the shipper
+thread's, in "shipper ms"). On a machine shared with other work the wall clock carries the noise
 of being descheduled; the CPU times do not.
 
 Attaching and detaching one run keeps start-up (the run-id broadcast, the shipper thread,
