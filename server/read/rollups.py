@@ -421,6 +421,13 @@ def _world_size(conn: Connection, pk: int) -> int:
     return max(int(world or 1), 1)
 
 
+def in_backlog(conn: Connection, pk: int, world: int | None = None) -> bool:
+    """Whether run `pk`'s dirty steps are a backlog (`BACKLOG_FACTOR`): the compactor is
+    behind, as in a recovery storm."""
+    dirty = conn.execute(select(func.count()).where(m.dirty_steps.c.run == pk)).scalar_one()
+    return live_steps(conn, pk, world, dirty=dirty) < live_steps(conn, pk, world)
+
+
 def live_steps(conn: Connection, pk: int, world: int | None = None, *, dirty: int = 0) -> int:
     """How many dirty steps of run `pk` (of `world` ranks, else looked up) a reader computes
     itself (see `read`), when `dirty` steps are dirty (a backlog: BACKLOG_FACTOR)."""
@@ -923,6 +930,7 @@ __all__ = [
     "Stats",
     "compute",
     "dirty_in",
+    "in_backlog",
     "live_steps",
     "metric_names",
     "newest_rolled_up",

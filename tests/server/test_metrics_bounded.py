@@ -8,6 +8,7 @@ from pathlib import Path
 from zerowatch.server import store
 from zerowatch.server.db import Database
 from zerowatch.server.metrics import exposition
+from zerowatch.server.read import rollups
 
 from zerowatch import events as ev
 from zerowatch import simulate
@@ -41,3 +42,33 @@ def test_a_4096_rank_run_exposes_at_most_1000_series_and_200_kb(tmp_path: Path) 
     n, nbytes = sizes[4096]
     assert n <= 1000 and nbytes <= 200_000, sizes
     assert n <= sizes[2][0] * 2, sizes  # the same families; only the outlier ranks differ
+
+
+def test_a_run_with_nothing_rolled_up_in_a_backlog_shows_its_statistics_once_one_is(
+    tmp_path: Path,
+) -> None:
+    """A recovery storm's first seconds: no step rolled up, a backlog of dirty steps. The
+    scrape keeps the run's own series and leaves the rank statistics (a newest step
+    computed from thousands of rank rows) until the compactor rolls a step up."""
+    db = Database.open(f"sqlite:///{tmp_path / 'z.db'}")
+    try:
+        spec = simulate.SimSpec(name="storm", world_size=8, stage=3)
+        rc = simulate.run_create(spec)
+        store.create_run(db, run=rc)
+        events = [simulate.step_event(spec, r, s) for s in range(4) for r in range(8)]
+        store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, events))
+        quiet = exposition(db, grace_s=60).decode()
+        assert (
+            f'zerowatch_step_time_seconds{{project="default",rank="",run="{rc.run_id}",stat="p50"}}'
+            in quiet
+        )
+        many = [simulate.step_event(spec, r, s) for s in range(4, 4_200) for r in range(1)]
+        store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, many))
+        storm = exposition(db, grace_s=60).decode()
+        assert "zerowatch_step_time_seconds{" not in storm
+        assert f'zerowatch_steps_total{{project="default",run="{rc.run_id}"}}' in storm
+        rollups.Compactor(db).run_once(settle=False)
+        after = exposition(db, grace_s=60).decode()
+        assert f'run="{rc.run_id}",stat="p50"' in after
+    finally:
+        db.close()
