@@ -14,14 +14,6 @@ Failures are sorted into three kinds, because the shipper treats them differentl
 * `ServerRejected`: any other 4xx (bad token, schema mismatch) — retrying the same bytes
   cannot help; the message names the status and the server's detail.
 
-Requests go over one keep-alive connection of the standard library's `http.client`
-(`_Connection`): ~0.4 ms of the shipper thread's CPU per POST against ~1.1 ms through
-httpx's layers (measured against a local server), and the shipper shares the process's CPU
-and GIL with training. A connection the server closed while idle is noticed before it is
-reused (a poll of its socket, as httpcore and urllib3 do) and opened again. A server that
-the environment routes through a proxy (`HTTP_PROXY` / `HTTPS_PROXY` / `ALL_PROXY`, not
-`NO_PROXY`) is reached through httpx, which honours them.
-
 One POST is tried `attempts` times with exponential backoff and full jitter between
 (tenacity), so a blip costs a fraction of a second, not a spool round trip. A Retry-After
 is honoured: the next try waits at least that long, plus up to half of it again (jitter,
@@ -35,16 +27,10 @@ the wait.
 from __future__ import annotations
 
 import email.utils
-import http.client
-import json
 import random
-import select
-import ssl
 import time
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 import tenacity
@@ -88,126 +74,7 @@ class IngestResult:
     duplicates: int
 
 
-class _Headers(Protocol):
-    def get(self, name: str, default: Any = None, /) -> Any: ...
-
-
-@dataclass(frozen=True)
-class Response:
-    """What the server answered to one request."""
-
-    status_code: int
-    #: The answer's headers: http.client's message headers or httpx's (a case-insensitive
-    #: `get` either way).
-    headers: _Headers
-    content: bytes
-    url: str
-
-    def json(self) -> Any:
-        return json.loads(self.content)
-
-    @property
-    def text(self) -> str:
-        return self.content.decode("utf-8", "replace")
-
-
-class TransportError(Exception):
-    """The request did not get an answer (refused, timed out, connection lost)."""
-
-
-class _Connection:
-    """One keep-alive connection to the server through `http.client`, opened on first use
-    and again after a failure or a `Connection: close`."""
-
-    def __init__(self, url: str) -> None:
-        parts = urllib.parse.urlsplit(url)
-        self._https = parts.scheme == "https"
-        self._host = parts.hostname or ""
-        self._port = parts.port
-        self._prefix = parts.path.rstrip("/")
-        self._base = url
-        self._conn: http.client.HTTPConnection | None = None
-
-    def post(self, path: str, body: bytes, headers: dict[str, str], timeout: float) -> Response:
-        conn = self._conn
-        if conn is not None and _closed_by_peer(conn):
-            conn.close()
-            conn = None
-        if conn is None:
-            if self._https:
-                conn = http.client.HTTPSConnection(self._host, self._port, timeout=timeout,
-                                                   context=ssl.create_default_context())  # fmt: skip
-            else:
-                conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
-        else:
-            conn.timeout = timeout
-            if conn.sock is not None:
-                conn.sock.settimeout(timeout)
-        self._conn = None  # kept below only once the answer is read in full
-        try:
-            conn.request("POST", self._prefix + path, body=body, headers=headers)
-            resp = conn.getresponse()
-            content = resp.read()
-        except (OSError, http.client.HTTPException) as e:  # refused, timeouts, lost
-            conn.close()
-            raise TransportError(f"{type(e).__name__}: {e}") from e
-        if resp.will_close:
-            conn.close()
-        else:
-            self._conn = conn
-        return Response(resp.status, resp.headers, content, self._base + path)
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-
-def _closed_by_peer(conn: http.client.HTTPConnection) -> bool:
-    """Whether an idle keep-alive connection is readable: the server closed it (or sent
-    something unasked), so it cannot carry the next request."""
-    sock = conn.sock
-    if sock is None:
-        return True
-    try:
-        if hasattr(select, "poll"):
-            poller = select.poll()
-            poller.register(sock, select.POLLIN)
-            return bool(poller.poll(0))
-        return bool(select.select([sock], [], [], 0)[0])
-    except (OSError, ValueError):
-        return True
-
-
-class _ViaHttpx:
-    """The same requests through httpx, for a server the environment says to reach through
-    a proxy."""
-
-    def __init__(self, url: str) -> None:
-        self._base = url
-        self._http = httpx.Client(base_url=url)
-
-    def post(self, path: str, body: bytes, headers: dict[str, str], timeout: float) -> Response:
-        try:
-            resp = self._http.post(path, content=body, headers=headers, timeout=timeout)
-        except httpx.HTTPError as e:  # connect refused, timeouts, protocol errors
-            raise TransportError(f"{type(e).__name__}: {e}") from e
-        return Response(resp.status_code, resp.headers, resp.content, self._base + path)
-
-    def close(self) -> None:
-        self._http.close()
-
-
-def _proxied(url: str) -> bool:
-    """Whether the environment routes `url` through a proxy (as httpx's trust_env does)."""
-    parts = urllib.parse.urlsplit(url)
-    proxies = urllib.request.getproxies()
-    if not (proxies.get(parts.scheme) or proxies.get("all")):
-        return False
-    return not urllib.request.proxy_bypass(parts.netloc)
-
-
-def _detail(resp: Response) -> str:
+def _detail(resp: httpx.Response) -> str:
     try:
         body = resp.json()
         if isinstance(body, dict) and "detail" in body:
@@ -240,15 +107,15 @@ def honoured_wait_s(retry_after: float) -> float:
     return retry_after * random.uniform(1.0, 1.5)
 
 
-def _check(resp: Response, *, missing_run_is_transient: bool) -> None:
+def _check(resp: httpx.Response, *, missing_run_is_transient: bool) -> None:
     code = resp.status_code
     if code < 400:
         return
     if code == 404 and missing_run_is_transient:
-        raise RunNotFound(f"{code} from {resp.url}: {_detail(resp)}")
+        raise RunNotFound(f"{code} from {resp.request.url}: {_detail(resp)}")
     if code >= 500 or code == 429:
         raise ServerUnavailable(
-            f"{code} from {resp.url}: {_detail(resp)}",
+            f"{code} from {resp.request.url}: {_detail(resp)}",
             retry_after_s=retry_after_s(resp.headers.get("retry-after")),
         )
     if code == 413:
@@ -316,10 +183,7 @@ class IngestClient:
         self.timeout_s = timeout_s
         #: time.monotonic() after which no request starts and none outlasts it (at close).
         self.deadline: float | None = None
-        self._headers = headers
-        self._http: _Connection | _ViaHttpx = (
-            _ViaHttpx(self.server) if _proxied(self.server) else _Connection(self.server)
-        )
+        self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout_s)
         self._retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(max(attempts, 1))
             | _StopAtDeadline(self)
@@ -335,17 +199,16 @@ class IngestClient:
     def _past_deadline(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
-    def _post(self, path: str, *, missing_run_is_transient: bool, content: bytes,
-              headers: dict[str, str]) -> Response:  # fmt: skip
+    def _post(self, path: str, *, missing_run_is_transient: bool, **kw: Any) -> httpx.Response:
         timeout = self.timeout_s
         if self.deadline is not None:
             timeout = min(timeout, self.deadline - time.monotonic())
             if timeout <= 0:
                 raise ServerUnavailable("out of time (closing)")
         try:
-            resp = self._http.post(path, content, {**self._headers, **headers}, timeout)
-        except TransportError as e:  # connect refused, timeouts, connection lost
-            raise ServerUnavailable(str(e)) from e
+            resp = self._http.post(path, timeout=timeout, **kw)
+        except httpx.HTTPError as e:  # connect refused, timeouts, protocol errors
+            raise ServerUnavailable(f"{type(e).__name__}: {e}") from e
         _check(resp, missing_run_is_transient=missing_run_is_transient)
         return resp
 
@@ -383,7 +246,6 @@ __all__ = [
     "IngestError",
     "IngestResult",
     "PayloadTooLarge",
-    "Response",
     "RunNotFound",
     "ServerRejected",
     "ServerUnavailable",

@@ -11,8 +11,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import httpx
 from support.engine_scenarios import TINY, ds_config, make_model, micro_batches
-from zerowatch.agent.client import IngestClient
 from zerowatch.agent.spool import Spool
 
 import zerowatch
@@ -107,7 +107,7 @@ class TrainingThreadIO:
     def install(self, setattr_: Any = setattr) -> None:
         """Wrap the methods (for good in a rank's process; pytest's monkeypatch.setattr
         undoes it after a test)."""
-        for owner, name, what in ((IngestClient, "_post", "http"), (Spool, "append", "spool")):
+        for owner, name, what in ((httpx.Client, "send", "http"), (Spool, "append", "spool")):
             setattr_(owner, name, self._counted(getattr(owner, name), what))
 
     def _counted(self, fn: Any, what: str) -> Any:
