@@ -29,9 +29,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 from sqlalchemy import create_engine, text
 from zerowatch.agent import codec
-from zerowatch.agent.client import IngestClient, Response, ServerUnavailable
+from zerowatch.agent.client import IngestClient, ServerUnavailable
 from zerowatch.agent.config import AgentConfig
 from zerowatch.agent.errors import AgentHealth
 from zerowatch.agent.spool import Spool
@@ -231,7 +232,7 @@ class RecordingClient(IngestClient):
         #: (started, ended, status, retry_after_s) per POST of events.
         self.posts: list[tuple[float, float, int, float | None]] = []
 
-    def _post(self, path: str, **kw: Any) -> Response:
+    def _post(self, path: str, **kw: Any) -> httpx.Response:
         t0 = time.monotonic()
         try:
             resp = super()._post(path, **kw)
