@@ -203,10 +203,10 @@ def _collect_run(conn: Connection, fam: _Families, row: Any, *, top_k: int, now:
         fam.latency.add_metric([*run, op], cum, value)
     # The newest step the compactor has rolled up: its ranks have arrived (a step still
     # arriving would show part of its distribution) and reading it costs a row per metric.
-    # A run with nothing rolled up yet shows its newest step, computed from its rows.
-    # Their stored rollups, as the compactor left them: a late rank that marked them dirty
-    # again shows at the next scrape after the compactor's next pass, and a scrape during a
-    # backlog does not compute steps from rows.
+    # Its stored rollups are read as the compactor left them (a late rank that marked it
+    # dirty again shows after the compactor's next pass), so such a scrape never computes
+    # steps from rows. A run with nothing rolled up yet shows its newest step, computed
+    # from its rows.
     step = rollups.newest_rolled_up(conn, pk, "step_time_s")
     live = step is None
     if step is None:
