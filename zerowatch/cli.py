@@ -11,6 +11,8 @@ stderr, without a traceback.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
@@ -88,9 +90,17 @@ def serve(
         typer.echo(
             f"zerowatch server on http://{host}:{port} (database {_shown_db(settings.db_url)})"
         )
+        # Ctrl-C while the server's modules load and its database migrates ends the
+        # process at once (nothing is served or half-written yet: SQLite and PostgreSQL
+        # roll a migration back); uvicorn installs its own handler when it starts.
+        signal.signal(signal.SIGINT, _exit_at_once)
         _serve(host=host, port=port, db_url=db, token=token, workers=workers)
     except SettingsError as e:
         fail(str(e), EXIT_USAGE)
+
+
+def _exit_at_once(signum: int, _frame: object) -> None:
+    os._exit(128 + signum)
 
 
 def _bind_problem(host: str, port: int) -> str | None:
