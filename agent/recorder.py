@@ -18,6 +18,12 @@ Life of a step on one rank:
    and the communication compute hid beside them; collective stats; exposed communication;
    offload; memory; throughput and MFU; user scalars; raw spans on sampled steps.
 
+On the host clock (compute on the CPU, in the training thread alone) the step also carries
+its CPU time: the training thread's, and the process's other threads' (the communication
+threads) - four clock reads a step, at its start and its end (~2.5 us), none per callback.
+The doctor prices with them what communication that overlaps compute costs it on a host
+whose cores both share (docs/doctor.md).
+
 Why the assembly runs on the shipper thread: between the engine's kernels, which evict the
 CPU's caches, the same work costs the training thread two to three times what it costs
 warm. On the host clock the training thread's share of a step's end is therefore only to
@@ -35,6 +41,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -120,6 +127,8 @@ class StepDraft:
     stats: StepStats
     sampled: bool
     user: UserScalars
+    #: (training thread, other threads) CPU seconds of the step; None: not measured.
+    cpu: tuple[float, float] | None = None
 
     def ready(self, clock: Clock) -> bool:
         return clock.ready(self.end) and self.phases.ready() and self.collectives.ready()
@@ -154,6 +163,9 @@ class StepRecorder:
         #: Host clock: a step's boundaries and collectives are paired and folded when its
         #: event is built (on the shipper thread), not at its end on the training thread.
         self._later = isinstance(clock, HostClock)
+        #: The step's CPU clocks are read where the training thread is the compute.
+        self._cpu_clocks = self._later and _compute_in_one_thread()
+        self._cpu_start: tuple[float, float] | None = None
         self._collectives = CollectiveAggregator(config.max_spans_per_step)
         self._offload = OffloadProbe(config.max_spans_per_step)
         self._lock = threading.Lock()  # run.log() vs the engine's callbacks
@@ -310,6 +322,8 @@ class StepRecorder:
         self._collectives.sample_next(self._sampled)
         self._offload.sample_next(self._sampled)
         self._step_start = self._clock.mark(t)
+        if self._cpu_clocks:
+            self._cpu_start = (time.thread_time(), time.process_time())
 
     def _end_step(self, t: float) -> None:
         if self._step_start is None:
@@ -320,6 +334,10 @@ class StepRecorder:
             )
             return
         end = self._clock.mark(t)
+        cpu, began = None, self._cpu_start
+        if began is not None:
+            thread, process = time.thread_time() - began[0], time.process_time() - began[1]
+            cpu, self._cpu_start = (thread, max(process - thread, 0.0)), None
         if self._later:
             phases = self._timer.take_later(self._step_start, end)
             window = self._collectives.take_later()
@@ -339,7 +357,7 @@ class StepRecorder:
             draft = StepDraft(
                 step=self._step, start=self._step_start, end=end, phases=phases,
                 collectives=window, offload=offload, offload_spans=offload_spans,
-                memory=memory, stats=stats, sampled=self._sampled, user=self._user,
+                memory=memory, stats=stats, sampled=self._sampled, user=self._user, cpu=cpu,
             )  # fmt: skip
             self._user = UserScalars()
             if self._open is not None:  # two step ends without a start between: keep both
@@ -440,6 +458,8 @@ class StepRecorder:
             spans=self._spans(d, start_unix, step_time) if d.sampled else None,
             host=_HOST,
             local_rank=_LOCAL_RANK,
+            thread_cpu_s=d.cpu[0] if d.cpu else None,
+            other_cpu_s=d.cpu[1] if d.cpu else None,
         )
 
     def _spans(self, d: StepDraft, start_unix: float, step_time: float) -> list[ev.Span]:
@@ -461,6 +481,19 @@ class StepRecorder:
                 span(f"offload_{direction}", "offload", t0 + off, t1 + off, {"bytes": nbytes})
             )  # fmt: skip
         return spans[:cap]
+
+
+def _compute_in_one_thread() -> bool:
+    """Whether the training thread alone computes (torch's intra-op pool is one thread), so
+    that the process's other threads are its communication and the agent's, not compute.
+    An engine without torch (tests' fakes) has no intra-op pool."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return True
+    try:
+        return int(torch.get_num_threads()) == 1
+    except Exception:
+        return False
 
 
 __all__ = ["StepDraft", "StepRecorder", "UserScalars"]

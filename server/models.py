@@ -135,6 +135,10 @@ class Step(Base):
     #: The exclusive decomposition {part: seconds} (events.STEP_PARTS); sums to step_time_s.
     parts: Mapped[dict[str, Any]] = mapped_column(JSON)
     hidden_comm_s: Mapped[float] = mapped_column(Float)
+    #: CPU seconds of the step on the training thread and on the process's other threads
+    #: (NULL: not measured: GPU runs, older agents).
+    thread_cpu_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    other_cpu_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     #: {"d2h": {"bytes": n, "seconds": s, "bandwidth": b}, "h2d": {...}}
     offload: Mapped[dict[str, Any]] = mapped_column(JSON)
     #: events.MemoryStats as a dict ({} when the step carried none).

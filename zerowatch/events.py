@@ -275,6 +275,13 @@ class StepEvent:
     parts: dict[str, float] = field(default_factory=dict)
     #: Communication that ran while compute went on (overlapped, so not in `parts`).
     hidden_comm_s: float = 0.0
+    #: CPU seconds of the step on the training thread, and on the process's other threads
+    #: (communication threads: gloo's; the agent's shipper), on a run whose compute runs on
+    #: the host's CPU in the training thread alone. None on GPU runs, with intra-op threads
+    #: and from agents that predate it. The doctor prices the cost of communication that
+    #: overlaps compute with them (docs/doctor.md).
+    thread_cpu_s: float | None = None
+    other_cpu_s: float | None = None
     offload: list[OffloadStats] = field(default_factory=list)
     memory: MemoryStats | None = None
     #: Global gradient norm before clipping; None when non-finite or unknown.

@@ -16,10 +16,21 @@ between the two configurations come from the model:
   bandwidth, or `host_copy_bytes_per_s` where the run did not offload; the CPU step of a GPU
   run is priced at `cpu_adam_params_per_s` (not calibrated: the prediction says so);
 - a bucket size changes the number of calls of an op: each call costs the run's measured
-  per-call latency (α) plus its bytes at the bandwidth larger messages reached (β).
+  per-call latency (α) plus its bytes at the bandwidth larger messages reached (β);
+- the overlap cost: communication that compute "hides" is not free where both run on the
+  same cores. On a CPU run the agent measures the CPU time of the rank's threads other than
+  the training thread (gloo's communication threads), `other_cpu_s`; with every core of the
+  host held by a rank's compute, each such CPU second is a second some rank's compute does
+  not get (a comm thread that runs while its own rank waits takes the core of another rank,
+  which the step then waits for), so it is part of the step. It moves with the
+  communication: ρ = other_cpu_s / the run's communication seconds (the CPU its threads use
+  per second of communication, measured), and a change that adds or removes communication
+  seconds adds or removes ρ times them. On a GPU NCCL runs on the device, on its own
+  streams, and the host threads beside the training thread use almost no CPU; the agent
+  does not measure the term there (None), and it is 0: the model is as before.
 
-predicted step = measured step - (exposed comm + optimizer + offload copies now)
-                               + (the same three for the other configuration)
+predicted step = measured step - (exposed comm + optimizer + offload copies + overlap now)
+                               + (the same four for the other configuration)
 
 Standard library, theory and plan only.
 """
@@ -62,6 +73,12 @@ class Measured:
     capacity_bytes: float | None = None
     offload_bytes_per_s: float | None = None
     zero_config: dict[str, Any] = field(default_factory=dict)
+    #: Communication that ran under compute (the agent's hidden_comm_s), seconds per step.
+    hidden_comm_s: float = 0.0
+    #: CPU seconds per step on the training thread and on the process's other threads (its
+    #: communication threads), on a run that computes on the host; None: not measured.
+    thread_cpu_s: float | None = None
+    other_cpu_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,8 +194,9 @@ def predict(m: Measured, change: Change) -> Prediction:
         if change.bucket_op is None and m.stage == 0 and key == "reduce_bucket_size":
             op = "all_reduce"
         delta, alpha, beta = _bucket_delta(m, op, size)
-        basis.update(alpha_s=alpha, beta_bytes_per_s=beta)
-        step = m.step_time_s + delta * _exposed_share(m)
+        rho = overlap_cpu_per_comm_s(m, sum(m.comm_s.values()))
+        basis.update(alpha_s=alpha, beta_bytes_per_s=beta, overlap_cpu_per_comm_s=rho)
+        step = m.step_time_s + delta * _exposed_share(m) + rho * delta
         return Prediction(change=change, step_time_s=step, model_state_bytes=m.model_state_bytes,
                           peak_bytes=m.peak_bytes, fits=_fits(m, m.peak_bytes),
                           calibrated=calibrated, basis=basis)  # fmt: skip
@@ -198,15 +216,28 @@ def predict(m: Measured, change: Change) -> Prediction:
             opt_new = m.optimizer_s * 0.1 * elems_new / max(elems_now, 1)
     copies_now = _copies(m, m.stage, m.offload_optimizer, m.offload_param) / copy_bw
     copies_new = _copies(m, st, oo, op_) / copy_bw
-    step = (m.step_time_s - m.exposed_comm_s - m.optimizer_s - copies_now
-            + exposed_new + opt_new + copies_new)  # fmt: skip
+    rho = overlap_cpu_per_comm_s(m, comm_now)
+    overlap_now = rho * comm_now
+    overlap_new = rho * comm_new if not math.isnan(comm_new) else overlap_now
+    step = (m.step_time_s - m.exposed_comm_s - m.optimizer_s - copies_now - overlap_now
+            + exposed_new + opt_new + copies_new + overlap_new)  # fmt: skip
     state = _layout_bytes(m, st, oo, op_) * overhead
     peak = None if m.peak_bytes is None else m.peak_bytes - m.model_state_bytes + state
     basis.update(comm_s_now=comm_now, comm_s_new=comm_new, optimizer_s_new=opt_new,
-                 copies_s_new=copies_new)  # fmt: skip
+                 copies_s_new=copies_new, overlap_s_now=overlap_now,
+                 overlap_s_new=overlap_new)  # fmt: skip
     return Prediction(change=change, step_time_s=max(step, 0.0), model_state_bytes=state,
                       peak_bytes=peak, fits=_fits(m, peak), calibrated=calibrated,
                       basis=basis)  # fmt: skip
+
+
+def overlap_cpu_per_comm_s(m: Measured, comm_s: float) -> float:
+    """ρ: CPU seconds the rank's communication threads use per second of its communication
+    (`other_cpu_s` over `comm_s`, the run's communication seconds per step); 0 where the run
+    did not measure it (a GPU run, an older agent) or communicated nothing."""
+    if m.other_cpu_s is None or not comm_s or math.isnan(comm_s) or comm_s <= 0:
+        return 0.0
+    return max(m.other_cpu_s, 0.0) / comm_s
 
 
 def _exposed_share(m: Measured) -> float:
@@ -271,6 +302,7 @@ __all__ = [
     "Measured",
     "Prediction",
     "candidates",
+    "overlap_cpu_per_comm_s",
     "predict",
     "reference_bandwidth",
 ]

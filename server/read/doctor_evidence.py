@@ -16,7 +16,8 @@ from zerowatch.server.read.rollups import Stats
 from zerowatch.server.read.vocabulary import rank_values_of
 
 #: Performance metrics read over the window: these names, and every name under a prefix.
-PERF_NAMES = ("step_time_s", "busy_s", "exposed_comm_s", "hidden_comm_s")
+PERF_NAMES = ("step_time_s", "busy_s", "exposed_comm_s", "hidden_comm_s", "thread_cpu_s",
+              "other_cpu_s")  # fmt: skip
 PERF_PREFIXES = ("phase.", "part.", "collective.", "offload.", "memory.")
 SIGNAL_NAMES = ("loss_scale", "skipped", "nonfinite", "grad_norm", "offload.d2h.bandwidth",
                 "offload.h2d.bandwidth")  # fmt: skip

@@ -162,6 +162,7 @@ STEP_COLS = (
     "rank", "seq", "step", "step_time_s", "exposed_comm_s", "hidden_comm_s", "grad_norm",
     "loss", "lr", "loss_scale", "samples_per_s", "tokens_per_s", "mfu", "samples", "tokens",
     "skipped", "nonfinite", "clipped", "phases", "parts", "offload", "memory", "scalars",
+    "thread_cpu_s", "other_cpu_s",
 )  # fmt: skip
 _COLL_COLS = ("rank", "seq", "op", "count", "bytes", "latency_sum_s", "latency_max_s", "busbw",
               "buckets")  # fmt: skip

@@ -2,9 +2,11 @@
 knows, its unit, and how one rank-step's value of it is read.
 
 A name is one of: a step column (`step_time_s`, `exposed_comm_s`, `hidden_comm_s`,
-`busy_s`, `grad_norm`, `loss`, `lr`, `loss_scale`, `samples_per_s`, `tokens_per_s`, `mfu`,
-`samples`, `tokens`, and the 0/1 flags `skipped`, `nonfinite`, `clipped`), `phase.<phase>`,
-`part.<part>` (the exclusive decomposition, events.STEP_PARTS), `collective.<op>.<field>`
+`thread_cpu_s` and `other_cpu_s` (the step's CPU time on the training thread and on the
+process's other threads: CPU runs only), `busy_s`, `grad_norm`, `loss`, `lr`, `loss_scale`,
+`samples_per_s`, `tokens_per_s`, `mfu`, `samples`, `tokens`, and the 0/1 flags `skipped`,
+`nonfinite`, `clipped`), `phase.<phase>`, `part.<part>` (the exclusive decomposition,
+events.STEP_PARTS), `collective.<op>.<field>`
 (latency_s: mean latency per call; latency_max_s; bytes; count; busbw, algbw: bandwidth
 over the step, weighted by time), `offload.<d2h|h2d>.<bandwidth|bytes|seconds>`,
 `memory.peak` (the highest phase peak), `memory.peak.<phase>`, `memory.state` (model state
@@ -38,6 +40,8 @@ STEP_COLUMNS = {
     "step_time_s": "s",
     "exposed_comm_s": "s",
     "hidden_comm_s": "s",
+    "thread_cpu_s": "s",
+    "other_cpu_s": "s",
     "grad_norm": "",
     "loss": "",
     "lr": "",

@@ -7,9 +7,12 @@ import json
 import math
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+from zerowatch.agent import recorder
 from zerowatch.agent.spool import read_events, segments
 
 import zerowatch
@@ -213,3 +216,61 @@ def test_rank_0_says_where_to_watch_the_run(fake_engine, spool_root, capsys, mon
     ) as run:
         pass
     assert f"zerowatch: run {run.id}: http://127.0.0.1:9/runs/{run.id}" in (capsys.readouterr().err)
+
+
+def _burn(seconds: float) -> None:
+    """Spend `seconds` of CPU on the calling thread."""
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < seconds:
+        pass
+
+
+def test_a_host_run_carries_the_cpu_time_of_its_training_thread_and_of_the_others(
+    fake_engine, spool_root, monkeypatch
+):
+    # Every forward spends 20 ms of CPU on the training thread while another thread (a
+    # communication thread's part) spends 30 ms; the optimizer step only sleeps.
+    def phase(name: str, seconds: float) -> None:
+        fake_engine.registry.call("on_phase_start", name, time.perf_counter())
+        other = threading.Thread(target=_burn, args=(0.03,))
+        other.start()
+        _burn(0.02)
+        other.join()
+        fake_engine.registry.call("on_phase_end", name, time.perf_counter())
+
+    monkeypatch.setattr(fake_engine, "_phase", phase)
+    monkeypatch.setattr(recorder, "_compute_in_one_thread", lambda: True)
+    with zerowatch.instrument(fake_engine, spool_dir=spool_root) as run:
+        for _ in range(3):
+            fake_engine.train_step()
+    steps = [e for e in spooled(run) if e["kind"] == "step"]
+    for e in steps:
+        assert 0.02 <= e["thread_cpu_s"] < 0.02 + 0.5 * (e["step_time_s"] - 0.02)
+        assert 0.03 <= e["other_cpu_s"] < 0.045
+    # With torch's intra-op pool computing beside the training thread, the other threads'
+    # CPU time is not communication's: nothing is measured.
+    monkeypatch.setattr(recorder, "_compute_in_one_thread", lambda: False)
+    with zerowatch.instrument(fake_engine, spool_dir=spool_root) as run:
+        fake_engine.train_step()
+    (e,) = [e for e in spooled(run) if e["kind"] == "step"]
+    assert e["thread_cpu_s"] is None and e["other_cpu_s"] is None
+
+
+def test_cpu_times_are_measured_only_with_one_intra_op_thread(monkeypatch) -> None:
+    class Torch:
+        threads = 4
+
+        def get_num_threads(self) -> int:
+            return self.threads
+
+    fake = Torch()
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    assert not recorder._compute_in_one_thread()
+    fake.threads = 1
+    assert recorder._compute_in_one_thread()
+
+
+def test_events_of_an_agent_without_cpu_times_still_read_as_none() -> None:
+    old = {"rank": 0, "seq": 0, "step": 0, "time": 1.0, "step_time_s": 0.1}
+    e = ev.StepEvent(**old)  # type: ignore[arg-type]
+    assert e.thread_cpu_s is None and e.other_cpu_s is None

@@ -75,3 +75,29 @@ def test_zerowatch_doctor_prints_the_findings_and_exits_by_severity(
     assert runner.invoke(cli.app, ["doctor", run_id, "--fail-on", "critical"]).exit_code == 0
     assert runner.invoke(cli.app, ["doctor", run_id, "--fail-on", "nope"]).exit_code == 2
     assert runner.invoke(cli.app, ["doctor", "missing"]).exit_code == 1
+
+
+def test_steps_with_and_without_cpu_times_both_ingest_and_only_the_measured_are_read(
+    client: TestClient,
+) -> None:
+    """An older agent's events carry no thread_cpu_s / other_cpu_s (the keys are absent): they
+    are stored as before; a newer agent's steps are read as their metrics."""
+    spec = dataclasses.replace(SPEC, straggler_rank=None, name="cpu")
+    rc = simulate.run_create(spec)
+    assert client.post("/api/v1/runs", json=dataclasses.asdict(rc)).status_code == 201
+    old, new = [], []
+    for step in simulate.steps(spec, 10):
+        for e in step:
+            if e.step < 5:
+                d = dataclasses.asdict(e)
+                del d["thread_cpu_s"], d["other_cpu_s"]
+                old.append(d)
+            else:
+                new.append(dataclasses.asdict(
+                    dataclasses.replace(e, thread_cpu_s=0.02, other_cpu_s=0.004)))  # fmt: skip
+    for events in (old, new):
+        body = {"schema_version": ev.SCHEMA_VERSION, "run_id": rc.run_id, "events": events}
+        assert client.post(f"/api/v1/runs/{rc.run_id}/events", json=body).status_code == 200
+    got = client.get(f"/api/v1/runs/{rc.run_id}/series", params={"metric": "other_cpu_s"}).json()
+    assert got["steps"] == [5, 6, 7, 8, 9]
+    assert got["stats"]["p50"] == [pytest.approx(0.004)] * 5

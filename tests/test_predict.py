@@ -1,0 +1,83 @@
+"""The calibrated planner's arithmetic on scripted measurements (zerowatch/predict.py): known
+numbers in, the prediction worked out by hand out. The doctor's tests check the direction of
+each prediction on simulated runs and bench/doctor.py the magnitudes on real ones."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from zerowatch import predict, theory
+
+PSI, N = 1_000_000, 2
+
+
+def stage3_on_cpu(**kw: object) -> predict.Measured:
+    """A stage-3 CPU run of 1M fp32 parameters on 2 ranks. Theory: all-gather 8 MB and
+    reduce-scatter 4 MB a step (bus factor 1/2: 4 and 2 MB of traffic); at the measured 400
+    and 200 MB/s of bus bandwidth that is 10 + 10 = 20 ms of communication a step."""
+    base = dict(
+        num_params=PSI, world_size=N, stage=3, device="cpu",
+        step_time_s=0.050, exposed_comm_s=0.008, optimizer_s=0.002,
+        comm_s={"all_gather": 0.010, "reduce_scatter": 0.010},
+        busbw={"all_gather": 4e8, "reduce_scatter": 2e8},
+        calls={"all_gather": 8, "reduce_scatter": 4},
+        comm_bytes={"all_gather": 8e6, "reduce_scatter": 4e6},
+        model_state_bytes=float(theory.model_state_bytes(PSI, N, 3).device_total),
+        hidden_comm_s=0.012, thread_cpu_s=0.030, other_cpu_s=0.006,
+    )  # fmt: skip
+    base.update(kw)
+    return predict.Measured(**base)  # type: ignore[arg-type]
+
+
+def test_stage_3_to_1_moves_the_overlap_cost_with_the_communication() -> None:
+    """Stage 1 sends 4 MB of reduce-scatter and 4 MB of all-gather: 10 + 5 = 15 ms at the
+    run's bandwidth, 3/4 of now. The exposed 8 ms become 6; the comm threads' 6 ms of CPU
+    are ρ = 6 / 20 = 0.3 s of CPU per second of communication, 4.5 ms at stage 1; the
+    optimizer updates the same shard (Ψ/N at both stages):
+
+        50 - 8 + 6 - 6 + 4.5 = 46.5 ms   (48 ms without the overlap term)"""
+    m = stage3_on_cpu()
+    got = predict.predict(m, predict.Change(stage=1))
+    assert got.basis["comm_s_now"] == pytest.approx(0.020)
+    assert got.basis["comm_s_new"] == pytest.approx(0.015)
+    assert got.basis["overlap_s_now"] == pytest.approx(0.006)
+    assert got.basis["overlap_s_new"] == pytest.approx(0.0045)
+    assert got.step_time_s == pytest.approx(0.0465)
+
+
+def test_without_a_cpu_measurement_the_overlap_cost_is_zero() -> None:
+    """A GPU run (NCCL on its own streams: the agent measures no CPU times) or an older
+    agent: the model is the exposed communication's alone, 50 - 8 + 6 = 48 ms."""
+    m = stage3_on_cpu(other_cpu_s=None, thread_cpu_s=None)
+    got = predict.predict(m, predict.Change(stage=1))
+    assert got.basis["overlap_s_now"] == 0.0 == got.basis["overlap_s_new"]
+    assert got.step_time_s == pytest.approx(0.048)
+    assert predict.overlap_cpu_per_comm_s(m, 0.020) == 0.0
+
+
+def test_a_layout_with_the_same_communication_keeps_the_overlap_cost() -> None:
+    """Stage 3 with optimizer offload moves as much as stage 3: the overlap term cancels and
+    only the copies are added (1M / 2 fp32 elements down and up: 4 MB at the assumed
+    10 GB/s, 0.4 ms, uncalibrated as the run did not offload)."""
+    m = stage3_on_cpu()
+    got = predict.predict(m, predict.Change(stage=3, offload_optimizer=True))
+    assert got.basis["overlap_s_new"] == pytest.approx(got.basis["overlap_s_now"])
+    assert got.step_time_s == pytest.approx(0.050 + 4e6 / predict.HOST_COPY_BYTES_PER_S)
+    assert not got.calibrated
+
+
+def test_a_bucket_change_moves_the_overlap_cost_with_its_seconds() -> None:
+    """A reduce_bucket_size that cuts the reduce-scatter's seconds by `delta` saves delta
+    times the exposed share (8 / 20) plus ρ (0.3) times it."""
+    m = stage3_on_cpu(calls={"all_gather": 8, "reduce_scatter": 400})
+    off = predict.predict(
+        dataclasses.replace(m, other_cpu_s=None),
+        predict.Change(stage=3, bucket=("reduce_bucket_size", 500_000)),
+    )
+    on = predict.predict(m, predict.Change(stage=3, bucket=("reduce_bucket_size", 500_000)))
+    delta = (off.step_time_s - m.step_time_s) / (0.008 / 0.020)
+    assert delta < 0
+    assert on.basis["overlap_cpu_per_comm_s"] == pytest.approx(0.3)
+    assert on.step_time_s == pytest.approx(m.step_time_s + delta * (0.4 + 0.3))
