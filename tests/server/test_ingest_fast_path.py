@@ -8,6 +8,7 @@ import gzip
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import orjson
 import pydantic
 import pytest
@@ -109,6 +110,21 @@ def _route_decode(raw: bytes) -> ev.EventBatch | None:
 
 _ROUTE_BATCH = pydantic.TypeAdapter(ev.EventBatch)
 
+
+def _values(obj: Any) -> Any:
+    """A batch as plain values, field by field (read as attributes, defaults included): the
+    fast path's events are msgspec Structs with the dataclasses' fields, the route's the
+    dataclasses."""
+    if isinstance(obj, msgspec.Struct):
+        return {f.name: _values(getattr(obj, f.name)) for f in msgspec.structs.fields(obj)}
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _values(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list):
+        return [_values(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _values(v) for k, v in obj.items()}
+    return obj
+
 #: (JSON text of one step's fields after rank/seq/step/time, what it probes): types at the
 #: edges of what each decoder reads, numbers at the edges of what the store holds, strings
 #: the database cannot hold.
@@ -165,7 +181,7 @@ def test_the_fast_decoder_reads_a_body_as_the_route_does_or_leaves_it() -> None:
     events = [simulate.step_event(spec, r, s) for r in range(3) for s in range(4)]
     raw = _body(events)
     fast = decode_batch(raw)
-    assert fast is not None and fast == _route_decode(raw)
+    assert fast is not None and _values(fast) == _values(_route_decode(raw))
     assert any(e.spans for e in fast.events) and all(e.memory for e in fast.events)
     taken = 0
     for text, probes in _EDGES:
@@ -173,7 +189,7 @@ def test_the_fast_decoder_reads_a_body_as_the_route_does_or_leaves_it() -> None:
         mixed = raw[: raw.rindex(b"]")] + b", " + one.encode() + raw[raw.rindex(b"]") :]
         for body in (f'{{"run_id": "fast", "events": [{one}]}}'.encode(), mixed):
             route, fast = _route_decode(body), decode_batch(body)
-            assert fast is None or fast == route, probes
+            assert fast is None or _values(fast) == _values(route), probes
             taken += fast is not None
     assert taken >= 20  # most edges are the fast decoder's own, not all left to the route
     for junk in (b"", b"[]", b"{", b'{"run_id": 1, "events": []}', b"\xff\xfe", b"null",
