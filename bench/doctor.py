@@ -2,7 +2,7 @@
 each changed configuration, and print predicted against measured step time and per-rank
 model-state memory.
 
-    python bench/doctor.py [--stage 3] [--max-changes 6] [--steps 12]
+    python bench/doctor.py [--stage 3] [--max-changes 6] [--steps 12] [--repeat 1]
 
 It starts a zerowatch server (temp SQLite), trains the example GPT with 2 gloo ranks on CPU
 (tests/support/doctor_job.py, one run at a time), reads `GET /api/v1/runs/{id}/findings`,
@@ -12,7 +12,12 @@ latency_bound_collectives finding's bucket size. Measured step time: the run's r
 (the run resource's `step_time_s`); memory: the median over steps of the fullest rank's
 device model-state bytes (`memory.state.<kind>` of the kinds held on the device,
 max over ranks). Keep it short on a shared machine: each
-run costs a few seconds of two CPU cores.
+run costs a few seconds of two CPU cores. It prints the time and the load average at its
+start and end, and runs the base configuration once more at the end: the spread of the base
+runs is the noise the predictions are judged against. `--repeat K` runs K rounds of the base
+and every change, interleaved, and compares the medians (the predictions of each round's
+base run, the measurements of each change), so that a burst of load from another job moves
+one run of K, not the table.
 """
 
 from __future__ import annotations
@@ -91,6 +96,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--max-changes", type=int, default=6)
     p.add_argument("--extra", default="", help="more job arguments for the base run")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of (base run, every change): predictions and measurements "
+                   "are the medians over the rounds")  # fmt: skip
     a = p.parse_args()
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -106,36 +114,61 @@ def main() -> None:
                 break
             except httpx.HTTPError:
                 time.sleep(0.2)
+        print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load "
+              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
         base = ["--stage", a.stage, *a.extra.split()]
-        base_id = _train(url, base, a.steps)
-        now_step, now_state = _measured(url, base_id)
-        found = httpx.get(f"{url}/api/v1/runs/{base_id}/findings", timeout=30).json()
-        preds: list[dict[str, Any]] = []
-        for f in found["findings"]:
-            print(f"[{f['severity']}] {f['kind']}: {f['message']}")
-            preds += f["evidence"].get("candidates", [])
-            if f["prediction"] and f["kind"] != "stage_choice":
-                preds.append(f["prediction"])
-        print(f"\nbase: stage {a.stage} {' '.join(a.extra.split())}: step {now_step * 1e3:.1f} ms, "
-              f"model state {now_state / 2**20:.2f} MiB")  # fmt: skip
+        base_steps: list[float] = []
+        preds_of: dict[str, list[dict[str, Any]]] = {}
+        measured_of: dict[str, list[tuple[float, float]]] = {}
+        changes: list[dict[str, Any]] = []
+        for r in range(max(a.repeat, 1)):
+            base_id = _train(url, base, a.steps)
+            now_step, now_state = _measured(url, base_id)
+            base_steps.append(now_step)
+            found = httpx.get(f"{url}/api/v1/runs/{base_id}/findings", timeout=30).json()
+            preds: list[dict[str, Any]] = []
+            for f in found["findings"]:
+                if r == 0:
+                    print(f"[{f['severity']}] {f['kind']}: {f['message']}")
+                preds += f["evidence"].get("candidates", [])
+                if f["prediction"] and f["kind"] != "stage_choice":
+                    preds.append(f["prediction"])
+            if r == 0:
+                changes = preds[: a.max_changes]
+            for pred in preds:
+                preds_of.setdefault(pred["change"], []).append(pred)
+            for change in changes:
+                run_id = _train(url, _args_for(change["config"], base), a.steps)
+                measured_of.setdefault(change["change"], []).append(_measured(url, run_id))
+        base_steps.append(_measured(url, _train(url, base, a.steps))[0])
+        runs = ", ".join(f"{s * 1e3:.1f}" for s in base_steps)
+        print(f"\nbase: stage {a.stage} {' '.join(a.extra.split())}: step "
+              f"{statistics.median(base_steps[:-1]) * 1e3:.1f} ms (runs: {runs} ms, the last "
+              f"after the changes), model state {now_state / 2**20:.2f} MiB")  # fmt: skip
         print(f"\n{'change':<40} {'step pred':>9} {'measured':>9} {'err':>6}   "
               f"{'state pred':>10} {'measured':>9} {'err':>6}")  # fmt: skip
         step_errs, mem_errs = [], []
-        for pred in preds[: a.max_changes]:
-            run_id = _train(url, _args_for(pred["config"], base), a.steps)
-            step, state = _measured(url, run_id)
-            es = pred["step_time_s"] / step - 1
-            em = pred["model_state_bytes"] / state - 1
+        for change in changes:
+            name = change["change"]
+            pred_step = statistics.median(p["step_time_s"] for p in preds_of[name])
+            pred_state = statistics.median(p["model_state_bytes"] for p in preds_of[name])
+            step = statistics.median(s for s, _ in measured_of[name])
+            state = statistics.median(m for _, m in measured_of[name])
+            es, em = pred_step / step - 1, pred_state / state - 1
             step_errs.append(abs(es))
             mem_errs.append(abs(em))
-            print(f"{pred['change']:<40} {pred['step_time_s'] * 1e3:>7.1f}ms {step * 1e3:>7.1f}ms "
-                  f"{es:>+6.0%}   {pred['model_state_bytes'] / 2**20:>8.2f}Mi "
-                  f"{state / 2**20:>7.2f}Mi {em:>+6.0%}")  # fmt: skip
+            runs = ("  (" + ", ".join(f"{s * 1e3:.1f}" for s, _ in measured_of[name]) + ")"
+                    if len(measured_of[name]) > 1 else "")  # fmt: skip
+            print(f"{name:<40} {pred_step * 1e3:>7.1f}ms {step * 1e3:>7.1f}ms "
+                  f"{es:>+6.0%}   {pred_state / 2**20:>8.2f}Mi "
+                  f"{state / 2**20:>7.2f}Mi {em:>+6.0%}{runs}")  # fmt: skip
         if step_errs:
             print(f"\n{len(step_errs)} changes: step time within 15%: "
                   f"{sum(e <= 0.15 for e in step_errs)}/{len(step_errs)} (median error "
                   f"{statistics.median(step_errs):.0%}); memory within 5%: "
                   f"{sum(e <= 0.05 for e in mem_errs)}/{len(mem_errs)}")  # fmt: skip
+        print(f"{time.strftime('%H:%M UTC', time.gmtime())}, load "
+              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
     finally:
         server.terminate()
         server.wait()
