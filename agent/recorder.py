@@ -244,16 +244,29 @@ class StepRecorder:
             except Exception as e:
                 health.error("recording a collective", e)
 
+        collectives = self._collectives
+
+        def rebind() -> None:
+            """Point the callbacks at the probes' lists again: taking a step on the host
+            clock hands the lists over whole and puts new ones in their place."""
+            nonlocal log, pending
+            log, pending = timer.log, collectives.pending
+
         self.on_phase_start = on_phase_start
         self.on_phase_end = on_phase_end
         self.on_collective = on_collective
+        self._rebind_lists = rebind
         self._routes = (start_codes, end_codes, codes)
+        self._long_way = True  # (the top-level phases' route now)
 
     def _route_top_level(self, long_way: bool) -> None:
         """Send the top-level phases' boundaries the long way (`_other_phase_*`: memory
         readings) on steps that read memory, and the nested phases' way (two appends) on
         the others: between the engine's kernels the long way's three calls cost the
         training thread ~25 us a boundary, the short one ~1 us."""
+        if long_way == self._long_way:
+            return
+        self._long_way = long_way
         start_codes, end_codes, codes = self._routes
         for name in TOP_LEVEL:
             start_codes[name] = -1 if long_way else codes.start[name]
@@ -341,6 +354,7 @@ class StepRecorder:
         if self._later:
             phases = self._timer.take_later(self._step_start, end)
             window = self._collectives.take_later()
+            self._rebind_lists()
         else:
             phases = self._timer.take(self._step_start, end)
             window = self._collectives.take()

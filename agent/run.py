@@ -22,6 +22,9 @@ from zerowatch import events as ev
 
 def _as_number(key: str, value: Any) -> float:
     """A logged value as float; a TypeError naming the key for anything not a real number."""
+    kind = type(value)
+    if kind is float or kind is int:  # (the usual case, without the ABC check below)
+        return float(value)
     if isinstance(value, bool):
         raise TypeError(f"run.log: {key}={value!r}: expected a number, got a bool")
     if isinstance(value, numbers.Real):

@@ -203,11 +203,13 @@ class CollectiveAggregator:
     def take_later(self) -> CollectiveWindow:
         """`take()` with the records left to fold when the window's `stats()` is first
         read (the recorder's step assembly, on the shipper thread): at the step's end the
-        training thread only takes the list of records out."""
+        training thread only takes the list of records out, whole (a new list takes its
+        place: `pending` is another list after this; a copy would touch every record to
+        count a reference, a cache miss each between the engine's kernels). A record that
+        another thread appends to the old list as it is taken goes with this window."""
         with self._lock:
-            pending = self._pending
-            records = pending[:]
-            del pending[: len(records)]  # (records appended meanwhile by another thread stay)
+            records = self._pending
+            self._pending = []
             window, self._window = self._window, CollectiveWindow()
         window.unfolded = records
         window.max_spans = self._max_spans
@@ -218,7 +220,8 @@ class CollectiveAggregator:
         """Forget what arrived since the last window was taken (between two steps)."""
         with self._lock:
             del self._pending[:]
-            self._window = CollectiveWindow()
+            if self._window.by_op:  # (a window nothing was folded into is as good as new)
+                self._window = CollectiveWindow()
 
     def _fold(self) -> None:
         """Add the pending records to the current window (the lock held)."""

@@ -18,19 +18,19 @@ instant in no phase to `other`. So `forward_compute` is the forward's self time,
 time the training thread spent blocked in a gather is `exposed_param_gather`, counted once.
 
 Bookkeeping is by index. Every phase name has an index (`PhaseCodes`); a boundary is logged
-as two items appended to one flat list that lives as long as the timer: its code (2·index
-for a start, 2·index + 1 for an end: a small int, which Python never allocates) and its
-clock mark (on the host, the float the engine passed). A callback therefore allocates
-nothing and touches the fewest objects, which is what it costs between the engine's
-kernels, which evict the CPU's caches. `take()` pairs the step's boundaries into intervals
-and lays out the edges of the outermost ones in the order they happened, so the exclusive
-parts are one pass over them (no sort) once their marks are known. On the host the marks
-are known at once: given the step's first and last marks, `take()` pairs, sums and cuts the
-step in that same single pass over the log (the marks are floats already), and the
-recorder's step end costs one loop over the boundaries instead of three. The recorder does
-not even do that on the training thread: `take_later()` slices the step's boundaries out of
-the log and the window pairs them when it is first read, on the shipper thread, where the
-steps of a flush interval are assembled one after another (with warm caches).
+as two items appended to one flat list: its code (2·index for a start, 2·index + 1 for an
+end: a small int, which Python never allocates) and its clock mark (on the host, the float
+the engine passed). A callback therefore allocates nothing and touches the fewest objects,
+which is what it costs between the engine's kernels, which evict the CPU's caches.
+`take()` pairs the step's boundaries into intervals and lays out the edges of the outermost
+ones in the order they happened, so the exclusive parts are one sweep over them (`_sweep`,
+no sort) once their marks are known. On the host the marks are known at once: given the
+step's first and last marks, `take()` pairs and sums in one pass over the log (the marks
+are floats already) and sweeps the edges it laid out, the one cut of every path. The
+recorder does not even do that on the training thread: `take_later()` hands the step's log
+over (the list itself: a new one takes its place) and the window pairs it when it is first
+read, on the shipper thread, where the steps of a flush interval are assembled one after
+another (with warm caches).
 """
 
 from __future__ import annotations
@@ -82,19 +82,20 @@ def _sweep(
     """
     counts = [0] * len(_BY_PRIORITY)
     out = [0.0] * len(_BY_PRIORITY)
+    owner = _OWNER
     mask = 0  # bit p set while an interval of priority p is open
     prev = 0.0
-    for j in range(0, len(edges), 2):
-        p = edges[j + 1]
+    it = iter(edges)
+    for mark, p in zip(it, it, strict=True):  # (mark, signed priority) pairs
         if not p:
             continue
-        t = edges[j] - origin if seconds is None else seconds(edges[j])
+        t = mark - origin if seconds is None else seconds(mark)
         if t > step_s:
             t = step_s
         elif t < 0.0:
             t = 0.0
         if t > prev:
-            out[_OWNER[mask]] += t - prev
+            out[owner[mask]] += t - prev
             prev = t
         elif t < prev:
             return None
@@ -193,7 +194,7 @@ class PhaseWindow:
         self.clock = clock
         self.codes = codes if codes is not None else PhaseCodes()
         self._iv: list[Any] = intervals if intervals is not None else []
-        self._edges: list[Any] | None = edges if edges is not None else []
+        self._edges: list[Any] = edges if edges is not None else []
         #: Host marks are the times themselves: always ready, subtracted directly.
         self._on_host = isinstance(clock, HostClock)
         #: Set by `PhaseTimer.take(step_start, step_end)` on the host: the totals, and the
@@ -220,8 +221,7 @@ class PhaseWindow:
         self._later = None
         resolved = _pair_resolved(self.codes, log, len(log) & ~1, origin, end)
         if resolved is not None:
-            self._iv, self._totals, self._parts_for, self._parts = resolved
-            self._edges = None
+            self._iv, self._edges, self._totals, self._parts_for, self._parts = resolved
         else:
             self._iv, self._edges = _pair_open(self.codes, log, [])
 
@@ -273,9 +273,7 @@ class PhaseWindow:
         if self._parts is not None and self._parts_for == (step_start, step_s):
             return dict(self._parts)
         seconds = self.clock.seconds
-        if self._edges is None:  # resolved in one pass, asked about another step
-            out = None
-        elif self._on_host:
+        if self._on_host:
             out = _sweep(self._edges, step_s, None, float(step_start))
         else:
             out = _sweep(self._edges, step_s, lambda mark: seconds(step_start, mark))
@@ -310,7 +308,8 @@ class PhaseTimer:
         self._mark = clock.mark
         self._on_host = isinstance(clock, HostClock)
         self.codes = PhaseCodes()
-        #: code, mark, code, mark, ... per boundary, in order; one list for the timer's life.
+        #: code, mark, code, mark, ... per boundary, in order (`take_later` hands this list
+        #: over and puts a new one here; `take` and `reset` empty it).
         self.log: list[Any] = []
         self.push = self.log.append
         #: Start marks of the phases open at the end of the log, per phase index.
@@ -352,8 +351,8 @@ class PhaseTimer:
             if resolved is not None:
                 del log[:n]
                 window = PhaseWindow(self.clock, self.codes)
-                window._iv, window._totals, window._parts_for, window._parts = resolved
-                window._edges = None  # (no edges laid out: another step's parts sort them)
+                (window._iv, window._edges, window._totals, window._parts_for,
+                 window._parts) = resolved  # fmt: skip
                 return window
         open_ = self._open
         while len(open_) < len(self.codes.names):  # names an adapter added since
@@ -368,16 +367,20 @@ class PhaseTimer:
         """`take(step_start, step_end)` with the pairing left to whoever first reads the
         window (the recorder's step assembly, on the shipper thread): the step's boundaries
         are taken out of the log now, a slice, and nothing else is done on the training
-        thread at the step's end. Host clock only, and for a step that started with nothing
-        open (the recorder resets the timer at each step's start); a phase still open at
-        the step's end is not carried over (the next `reset` would forget it). Otherwise
-        this is `take()`."""
+        thread at the step's end: the log list is handed over whole, and `log` is a new
+        list after it. Host clock only, and for a step that started with nothing open (the
+        recorder resets the timer at each step's start); a phase still open at the step's
+        end is not carried over (the next `reset` would forget it). Otherwise this is
+        `take()`."""
         if not self._on_host or any(self._open):
             return self.take(step_start, step_end)
-        log = self.log
-        n = len(log) & ~1
-        boundaries = log[:n]
-        del log[:n]
+        # The log itself goes with the window and a new one takes its place: no copy. (A
+        # slice would touch every mark's float to count a reference, and between the
+        # engine's kernels each is a cache miss: 36 us a step on 48 layers.) Whoever
+        # appends to the log directly reads `log` again after this (the recorder does).
+        boundaries = self.log
+        self.log = []
+        self.push = self.log.append
         return PhaseWindow.later(self.clock, self.codes, boundaries, float(step_start),
                                  float(step_end))  # fmt: skip
 
@@ -389,13 +392,14 @@ class PhaseTimer:
 
 def _pair_resolved(
     codes: PhaseCodes, log: list[Any], n: int, origin: float, end: float
-) -> tuple[list[Any], dict[str, float], tuple[float, float], dict[str, float]] | None:
+) -> tuple[list[Any], list[Any], dict[str, float], tuple[float, float], dict[str, float]] | None:
     """Pair the host-clock boundaries `log[:n]` of one step (starting with no phase open)
-    and, in the same pass, sum the phases and cut the step into its exclusive parts.
+    and, in the same pass, sum the phases and lay out the outermost intervals' edges; then
+    cut the step into its exclusive parts (`_sweep`, the one cut of every path).
 
     Returns:
-        (intervals, totals, (origin, step_s), parts), or None when a phase is still open
-        at the end or the marks do not run forward (`_pair_open` handles those).
+        (intervals, edges, totals, (origin, step_s), parts), or None when a phase is still
+        open at the end or the marks do not run forward (`_pair_open` handles those).
     """
     priority = codes.priority
     n_phases = len(codes.names)
@@ -406,16 +410,8 @@ def _pair_resolved(
     backward, grad_reduce = codes.backward, codes.grad_reduce
     reduce_in_backward = 0.0
     intervals: list[Any] = []
-    # The cut (`_sweep`), edge by edge as the outermost intervals open and close:
-    # inlined, since a call per edge is what the one pass saves.
-    counts = [0] * len(_BY_PRIORITY)
-    cut = [0.0] * len(_BY_PRIORITY)
-    owner = _OWNER
-    mask = 0
-    prev = 0.0
-    step_s = end - origin
-    if step_s < 0.0:
-        step_s = 0.0
+    # The outermost intervals' edges, in the order they happened, for the cut (`_sweep`).
+    edges: list[Any] = []
     it = iter(log[:n])
     for code, mark in zip(it, it, strict=True):
         i = code >> 1
@@ -435,42 +431,29 @@ def _pair_resolved(
                 if in_backward and i == grad_reduce:
                     reduce_in_backward += seconds
             seen[i] = True
-            p = -priority[i]
+            p = priority[i]
+            if p:
+                edges += (mark, -p)
         else:
             depth[i] = d + 1
-            if d:
-                continue
-            outer[i] = mark
-            p = priority[i]
-        if not p:
-            continue
-        t = mark - origin
-        if t > step_s:
-            t = step_s
-        elif t < 0.0:
-            t = 0.0
-        if t > prev:
-            cut[owner[mask]] += t - prev
-            prev = t
-        elif t < prev:
-            return None
-        if p > 0:
-            counts[p] += 1
-            mask |= 1 << p
-        else:
-            counts[-p] -= 1
-            if counts[-p] <= 0:
-                counts[-p] = 0
-                mask &= ~(1 << -p)
+            if not d:
+                outer[i] = mark
+                p = priority[i]
+                if p:
+                    edges += (mark, p)
     if any(depth):  # still open: timed in the window where they end
         return None
-    if step_s > prev:
-        cut[owner[mask]] += step_s - prev
+    step_s = end - origin
+    if step_s < 0.0:
+        step_s = 0.0
+    cut = _sweep(edges, step_s, None, origin)
+    if cut is None:
+        return None
     names = codes.names
     totals = {names[i]: sums[i] for i in range(n_phases) if seen[i]}
     if "backward" in totals:
         totals["backward_inner"] = max(totals["backward"] - reduce_in_backward, 0.0)
-    return intervals, totals, (origin, step_s), _as_parts(cut)
+    return intervals, edges, totals, (origin, step_s), _as_parts(cut)
 
 
 def _pair_open(
