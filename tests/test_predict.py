@@ -25,7 +25,7 @@ def stage3_on_cpu(**kw: object) -> predict.Measured:
         calls={"all_gather": 8, "reduce_scatter": 4},
         comm_bytes={"all_gather": 8e6, "reduce_scatter": 4e6},
         model_state_bytes=float(theory.model_state_bytes(PSI, N, 3).device_total),
-        hidden_comm_s=0.012, thread_cpu_s=0.030, other_cpu_s=0.006,
+        thread_cpu_s=0.030, other_cpu_s=0.006,
     )  # fmt: skip
     base.update(kw)
     return predict.Measured(**base)  # type: ignore[arg-type]

@@ -73,8 +73,6 @@ class Measured:
     capacity_bytes: float | None = None
     offload_bytes_per_s: float | None = None
     zero_config: dict[str, Any] = field(default_factory=dict)
-    #: Communication that ran under compute (the agent's hidden_comm_s), seconds per step.
-    hidden_comm_s: float = 0.0
     #: CPU seconds per step on the training thread and on the process's other threads (its
     #: communication threads), on a run that computes on the host; None: not measured.
     thread_cpu_s: float | None = None

@@ -267,7 +267,6 @@ def measured(e: Evidence) -> predict.Measured | None:
         capacity_bytes=e.median("memory.capacity", "min"),
         offload_bytes_per_s=statistics.median(offload_bw) if offload_bw else None,
         zero_config=dict(config.get("zero_optimization") or {}),
-        hidden_comm_s=e.median("hidden_comm_s") or 0.0,
         thread_cpu_s=e.median("thread_cpu_s"), other_cpu_s=e.median("other_cpu_s"),
     )  # fmt: skip
 
