@@ -6,7 +6,8 @@ Life of a step on one rank:
    draft stops taking `run.log()` values and is emitted once its timings are known.
 2. Phases, collectives and offload copies arrive from the engine and go to the probes.
 3. `step` ends (the end of `engine.step()` on the boundary): the probes hand over their
-   windows, memory and the optimizer's view (grad norm, loss scale, lr) are read, and a
+   windows, memory and the optimizer's view (grad norm, loss scale, lr; for the bundled
+   engine its record of the step, read on the shipper thread) are taken, and a
    *draft* is kept open: `run.log(loss=...)` called right after `engine.step()` still lands
    on this step.
 4. The draft is handed to the shipper (with its seq) once its timings are known: on CUDA
@@ -124,7 +125,9 @@ class StepDraft:
     offload: list[ev.OffloadStats]
     offload_spans: list[tuple[str, int, float, float]] | None
     memory: ev.MemoryStats | None
-    stats: StepStats
+    #: The optimizer's view, or what reads it when the event is built (an adapter's
+    #: `step_stats_later`).
+    stats: StepStats | Callable[[], StepStats]
     sampled: bool
     user: UserScalars
     #: (training thread, other threads) CPU seconds of the step; None: not measured.
@@ -160,6 +163,11 @@ class StepRecorder:
         self._emit = emit
         self._next_seq = next_seq
         self._timer = PhaseTimer(clock)
+        #: An adapter that can be asked about the step later (`step_stats_later`, optional)
+        #: is, on the shipper thread.
+        self._step_stats_later: Callable[[], StepStats | Callable[[], StepStats]] | None = getattr(
+            adapter, "step_stats_later", None
+        )
         #: Host clock: a step's boundaries and collectives are paired and folded when its
         #: event is built (on the shipper thread), not at its end on the training thread.
         self._later = isinstance(clock, HostClock)
@@ -366,7 +374,8 @@ class StepRecorder:
             except Exception as e:
                 self._health.error("reading the engine's model-state bytes", e)
         memory = self._memory.take(self._model_state)
-        stats = self._adapter.step_stats()
+        later = self._step_stats_later
+        stats = later() if later is not None else self._adapter.step_stats()
         with self._lock:
             draft = StepDraft(
                 step=self._step, start=self._step_start, end=end, phases=phases,
@@ -434,7 +443,7 @@ class StepRecorder:
         tokens = user.tokens
         samples_per_s = samples / step_time if step_time > 0 else None
         tokens_per_s = tokens / step_time if tokens and step_time > 0 else None
-        stats = d.stats
+        stats = d.stats if isinstance(d.stats, StepStats) else d.stats()
         nonfinite = stats.nonfinite or user.loss_nonfinite
         grad_norm = user.grad_norm if user.grad_norm is not None else stats.grad_norm
         start_unix = clock.host_time(d.start) + self._unix_offset

@@ -8,7 +8,9 @@ An adapter (1) describes the job once (`info`), (2) attaches an observer that re
 engine's phase boundaries and collectives in the shapes of `zerowatch.engine.hooks`
 (`on_phase_start/end(phase, t)`, `on_collective(record)`, `on_offload(...)`, with a
 `step` phase around each optimizer step), (3) answers per-step questions (model-state
-bytes, grad norm, loss scale, lr) and (4) runs the two object collectives the agent needs
+bytes, grad norm, loss scale, lr; an adapter whose engine records each step in a new
+immutable object may also offer `step_stats_later()`, a callable that reads it when the
+event is built, off the training thread) and (4) runs the two object collectives the agent needs
 at start-up (agreeing on the run id, gathering host names) through the engine's own
 process group.
 """

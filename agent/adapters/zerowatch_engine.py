@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 from zerowatch.agent.adapters.base import JobInfo, StepStats
@@ -15,6 +17,29 @@ def matches(obj: Any) -> bool:
     return all(
         hasattr(obj, name)
         for name in ("add_observer", "remove_observer", "zero_stage", "model_state_bytes")
+    )
+
+
+def _frozen(kind: type) -> bool:
+    """Whether instances of `kind` are frozen dataclasses (cannot change once made)."""
+    params = getattr(kind, "__dataclass_params__", None)
+    return bool(params is not None and params.frozen)
+
+
+def _stats_of(last: Any) -> StepStats:
+    """The agent's StepStats of the engine's record of one optimizer step (None: none yet)."""
+    if last is None:
+        return StepStats()
+    raw_norm = getattr(last, "grad_norm", None)
+    norm = _finite_or_none(raw_norm)
+    return StepStats(
+        grad_norm=norm,
+        clipped=bool(getattr(last, "clipped", False)),
+        loss_scale=_finite_or_none(getattr(last, "loss_scale", None)),
+        skipped=bool(getattr(last, "skipped", False)),
+        lr=_finite_or_none(getattr(last, "lr", None)),
+        nonfinite=bool(getattr(last, "nonfinite", False))
+        or (raw_norm is not None and norm is None),
     )
 
 
@@ -95,20 +120,18 @@ class ZeroWatchEngineAdapter:
         return {str(k): int(v) for k, v in self.engine.model_state_bytes().items()}
 
     def step_stats(self) -> StepStats:
+        return _stats_of(getattr(self.engine, "last_step", None))
+
+    def step_stats_later(self) -> StepStats | Callable[[], StepStats]:
+        """`step_stats()` of the step that just ended, or a callable that reads it later
+        (on the shipper thread, where the recorder builds the step's event). The bundled
+        engine records each optimizer step in a new frozen dataclass (`engine.last_step`),
+        so holding it is all the step's end does on the training thread; a record of
+        another kind (an engine shaped like it that may change it in place) is read now."""
         last = getattr(self.engine, "last_step", None)
-        if last is None:
-            return StepStats()
-        raw_norm = getattr(last, "grad_norm", None)
-        norm = _finite_or_none(raw_norm)
-        return StepStats(
-            grad_norm=norm,
-            clipped=bool(getattr(last, "clipped", False)),
-            loss_scale=_finite_or_none(getattr(last, "loss_scale", None)),
-            skipped=bool(getattr(last, "skipped", False)),
-            lr=_finite_or_none(getattr(last, "lr", None)),
-            nonfinite=bool(getattr(last, "nonfinite", False))
-            or (raw_norm is not None and norm is None),
-        )
+        if not _frozen(type(last)):
+            return _stats_of(last)
+        return functools.partial(_stats_of, last)
 
     def _comm(self) -> Any:
         """The engine's comm module object (zerowatch.engine.comm.Comm), or None when the
