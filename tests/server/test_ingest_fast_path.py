@@ -125,6 +125,7 @@ def _values(obj: Any) -> Any:
         return {k: _values(v) for k, v in obj.items()}
     return obj
 
+
 #: (JSON text of one step's fields after rank/seq/step/time, what it probes): types at the
 #: edges of what each decoder reads, numbers at the edges of what the store holds, strings
 #: the database cannot hold.
