@@ -1,8 +1,11 @@
 """Events to wire JSON and back: one compact JSON object per event, gzip per batch.
 
-Standard library only. Non-finite floats are never written (the server forbids them): the
-step assembler already turns them into None plus a `nonfinite` flag, and `dumps` refuses
-what slipped through rather than sending invalid JSON.
+Non-finite floats are never written (the server forbids them): the step assembler turns
+them into None plus a `nonfinite` flag and run.log drops them. `dumps` (the standard
+library's encoder) refuses what slipped through rather than sending invalid JSON; `encode`,
+which the shipper runs for every event beside training, is orjson's (a sixth of the
+standard library's CPU), which writes a non-finite float as null: the server then refuses
+the batch, naming the field.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import dataclasses
 import gzip
 import json
 from typing import Any
+
+import orjson
 
 from zerowatch import events as ev
 
@@ -43,31 +48,23 @@ def dumps(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
 
-def _fields(obj: Any) -> dict[str, Any]:
-    fields = getattr(obj, "__dataclass_fields__", None)
-    if fields is None:
-        raise TypeError(f"cannot encode {type(obj).__name__} as JSON")
-    # A wire dataclass's instance dict holds its fields, in their order, and nothing else
-    # when it has as many entries: handed over as it is, no copy.
-    own = getattr(obj, "__dict__", None)
-    if own is not None and len(own) == len(fields):
-        return own  # type: ignore[no-any-return]
-    return {name: getattr(obj, name) for name in fields}
-
-
-#: json's C encoder walks the lists, dicts and numbers itself and asks `_fields` only for
-#: each dataclass (the event, its CollectiveStats, MemoryStats, Spans).
-_ENCODER = json.JSONEncoder(
-    separators=(",", ":"), allow_nan=False, check_circular=False, default=_fields
-)
-
-
 def encode(obj: Any) -> bytes:
-    """`dumps(to_dict(obj))` in one pass, a third cheaper (the shipper runs it for every
-    event); raises ValueError on NaN/inf."""
+    """One wire event's compact JSON, with the values `dumps(to_dict(obj))` gives: orjson,
+    which writes dataclasses itself (~6 against ~38 µs an event for the standard library's
+    encoder, measured on simulated stage-3 events with spans)."""
     if not dataclasses.is_dataclass(obj):
         raise TypeError(f"expected a wire dataclass, got {type(obj).__name__}")
-    return _ENCODER.encode(obj).encode()
+    return orjson.dumps(obj, default=_number, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _number(value: Any) -> Any:
+    """What orjson does not write itself and the standard library would: a subclass of
+    float or int (numpy's scalars orjson writes with OPT_SERIALIZE_NUMPY)."""
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, int):
+        return int(value)
+    raise TypeError(f"cannot encode {type(value).__name__} as JSON")
 
 
 def batch_body(run_id: str, event_lines: list[bytes]) -> bytes:
