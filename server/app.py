@@ -17,6 +17,7 @@ answered 500 without internals (the schemathesis test holds that none is reachab
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -170,6 +171,11 @@ def _include_pages(app: FastAPI) -> None:
 
 #: Allocations between two collections of the youngest generation while the app runs.
 GC_GEN0_THRESHOLD = 50_000
+#: Seconds an idle connection stays open: longer than the agents' longest flush interval
+#: (agent/config.py MAX_FLUSH_INTERVAL_S, 30 s at 7,680 ranks and more), so that each agent
+#: POSTs over one connection for the whole run instead of opening one per POST (uvicorn's
+#: default, 5 s, is shorter than the interval of any job of 1,280 ranks or more).
+KEEP_ALIVE_S = 35
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -306,6 +312,7 @@ def serve(
     import uvicorn
 
     settings = Settings.from_env(db_url=db_url, token=token)
+    _raise_open_files_limit()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -328,10 +335,29 @@ def serve(
             workers=workers,
             log_level="info",
             access_log=False,
+            timeout_keep_alive=KEEP_ALIVE_S,
         )
         return
     app = create_app(settings)
-    uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
+    uvicorn.run(
+        app, host=host, port=port, log_level="info", access_log=False,
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )  # fmt: skip
+
+
+def _raise_open_files_limit() -> None:
+    """Every agent keeps a connection open (KEEP_ALIVE_S): a process may hold one per rank
+    of a job, beyond the usual soft limit of 1,024 open files. Raise the soft limit to the
+    hard one (capped at 1,048,576), as far as the system allows."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    cap = 1_048_576 if hard == resource.RLIM_INFINITY else min(hard, 1_048_576)
+    if soft != resource.RLIM_INFINITY and soft < cap:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (cap, hard))
 
 
 __all__ = ["app_from_env", "create_app", "serve"]

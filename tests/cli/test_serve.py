@@ -57,3 +57,45 @@ def test_serve_prints_a_database_url_without_its_password() -> None:
     first = proc.stdout.splitlines()[0]
     assert "postgresql+psycopg://watcher:***@127.0.0.1:1/zerowatch" in first
     assert "s3cret" not in proc.stdout
+
+
+def test_serve_keeps_an_agents_connection_open_between_its_flushes(tmp_path: Path) -> None:
+    """An idle connection outlives uvicorn's default keep-alive (5 s): an agent that flushes
+    every few seconds POSTs over one connection; and the process may hold one per rank (its
+    soft open-files limit raised to the hard one)."""
+    import http.client
+    import time
+
+    from zerowatch.agent.config import MAX_FLUSH_INTERVAL_S
+    from zerowatch.server.app import KEEP_ALIVE_S
+
+    assert KEEP_ALIVE_S > MAX_FLUSH_INTERVAL_S
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zerowatch.cli", "serve", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path, env=_env(),
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        proc.stdout.readline()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        for _ in range(300):  # until the app answers
+            try:
+                conn.request("GET", "/healthz")
+                if conn.getresponse().read() and conn.sock is not None:
+                    break
+            except OSError:
+                conn.close()
+            time.sleep(0.1)
+        sock = conn.sock
+        time.sleep(6.5)  # idle past uvicorn's default keep-alive
+        conn.request("GET", "/healthz")
+        assert conn.getresponse().status == 200
+        assert conn.sock is sock  # the same connection: the server kept it open
+        conn.close()
+        limits = Path(f"/proc/{proc.pid}/limits").read_text().splitlines()
+        soft, hard = next(ln for ln in limits if ln.startswith("Max open files")).split()[3:5]
+        assert soft == hard or int(soft) >= 1_048_576, (soft, hard)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
