@@ -17,7 +17,8 @@ start and end, and runs the base configuration once more at the end: the spread 
 runs is the noise the predictions are judged against. `--repeat K` runs K rounds of the base
 and every change, interleaved, and compares the medians (the predictions of each round's
 base run, the measurements of each change), so that a burst of load from another job moves
-one run of K, not the table.
+one run of K, not the table. It also prints the stage-3 parameter management the base
+run measured and the same predictions without that term, judged on the same measurements.
 """
 
 from __future__ import annotations
@@ -145,17 +146,29 @@ def main() -> None:
         print(f"\nbase: stage {a.stage} {' '.join(a.extra.split())}: step "
               f"{statistics.median(base_steps[:-1]) * 1e3:.1f} ms (runs: {runs} ms, the last "
               f"after the changes), model state {now_state / 2**20:.2f} MiB")  # fmt: skip
+        manage = [p["basis"]["stage3_management_s_now"] for ps in preds_of.values() for p in ps
+                  if "stage3_management_s_now" in p["basis"]]  # fmt: skip
+        if manage:
+            print(f"stage 3's parameter management (communication phases outside the "
+                  f"collective waits): {statistics.median(manage) * 1e3:.1f} ms a step")  # fmt: skip
         print(f"\n{'change':<40} {'step pred':>9} {'measured':>9} {'err':>6}   "
               f"{'state pred':>10} {'measured':>9} {'err':>6}")  # fmt: skip
-        step_errs, mem_errs = [], []
+        step_errs, mem_errs, without_errs = [], [], []
         for change in changes:
             name = change["change"]
             pred_step = statistics.median(p["step_time_s"] for p in preds_of[name])
+            # The same prediction without stage 3's parameter management term (the model
+            # before it), judged against the same measurements.
+            pred_without = statistics.median(
+                p["step_time_s"] + p["basis"].get("stage3_management_s_now", 0.0)
+                - p["basis"].get("stage3_management_s_new", 0.0) for p in preds_of[name]
+            )  # fmt: skip
             pred_state = statistics.median(p["model_state_bytes"] for p in preds_of[name])
             step = statistics.median(s for s, _ in measured_of[name])
             state = statistics.median(m for _, m in measured_of[name])
             es, em = pred_step / step - 1, pred_state / state - 1
             step_errs.append(abs(es))
+            without_errs.append(abs(pred_without / step - 1))
             mem_errs.append(abs(em))
             runs = ("  (" + ", ".join(f"{s * 1e3:.1f}" for s, _ in measured_of[name]) + ")"
                     if len(measured_of[name]) > 1 else "")  # fmt: skip
@@ -167,6 +180,9 @@ def main() -> None:
                   f"{sum(e <= 0.15 for e in step_errs)}/{len(step_errs)} (median error "
                   f"{statistics.median(step_errs):.0%}); memory within 5%: "
                   f"{sum(e <= 0.05 for e in mem_errs)}/{len(mem_errs)}")  # fmt: skip
+            print(f"without the stage-3 parameter management term: step time within 15%: "
+                  f"{sum(e <= 0.15 for e in without_errs)}/{len(without_errs)} (median error "
+                  f"{statistics.median(without_errs):.0%})")  # fmt: skip
         print(f"{time.strftime('%H:%M UTC', time.gmtime())}, load "
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
     finally:

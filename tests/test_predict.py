@@ -81,3 +81,42 @@ def test_a_bucket_change_moves_the_overlap_cost_with_its_seconds() -> None:
     assert delta < 0
     assert on.basis["overlap_cpu_per_comm_s"] == pytest.approx(0.3)
     assert on.step_time_s == pytest.approx(m.step_time_s + delta * (0.4 + 0.3))
+
+
+def test_stage_3_to_1_removes_stage_3s_parameter_management() -> None:
+    """The run spent 3 ms a step in its communication phases outside any collective wait
+    (gathering units into buffers, releasing them, per-unit reductions): stage 1 does none
+    of it, so the prediction drops it on top of the overlap term's 46.5 ms (the test above):
+
+        50 - 8 + 6 - 6 + 4.5 - 3 = 43.5 ms"""
+    m = stage3_on_cpu(comm_phase_host_s=0.003)
+    got = predict.predict(m, predict.Change(stage=1))
+    assert got.basis["stage3_management_s_now"] == pytest.approx(0.003)
+    assert got.basis["stage3_management_s_new"] == 0.0
+    assert got.step_time_s == pytest.approx(0.0435)
+    without = predict.predict(
+        dataclasses.replace(m, comm_phase_host_s=None), predict.Change(stage=1)
+    )
+    assert without.step_time_s == pytest.approx(0.0465)
+
+
+def test_stage_3_layouts_keep_the_parameter_management() -> None:
+    """Within stage 3 (offload) the units are still gathered and released: the term cancels."""
+    m = stage3_on_cpu(comm_phase_host_s=0.003)
+    got = predict.predict(m, predict.Change(stage=3, offload_optimizer=True))
+    assert got.basis["stage3_management_s_new"] == pytest.approx(0.003)
+    assert got.step_time_s == pytest.approx(0.050 + 4e6 / predict.HOST_COPY_BYTES_PER_S)
+
+
+def test_the_parameter_management_is_zero_on_gpu_below_stage_3_and_unmeasured() -> None:
+    """A GPU run (the host runs ahead of the device: its bookkeeping is not the step's), a
+    run below stage 3 (what it measured is its own bucket handling, which stage 1/2 keep) and
+    a run without the exclusive parts price none."""
+    m = stage3_on_cpu(comm_phase_host_s=0.003)
+    assert predict.stage3_management_s(m) == pytest.approx(0.003)
+    assert predict.stage3_management_s(dataclasses.replace(m, device="cuda")) == 0.0
+    assert predict.stage3_management_s(dataclasses.replace(m, stage=1)) == 0.0
+    assert predict.stage3_management_s(dataclasses.replace(m, comm_phase_host_s=None)) == 0.0
+    assert predict.stage3_management_s(dataclasses.replace(m, comm_phase_host_s=-0.001)) == 0.0
+    s1 = dataclasses.replace(m, stage=1)
+    assert predict.predict(s1, predict.Change(stage=3)).basis["stage3_management_s_new"] == 0.0

@@ -27,10 +27,22 @@ between the two configurations come from the model:
   per second of communication, measured), and a change that adds or removes communication
   seconds adds or removes ρ times them. On a GPU NCCL runs on the device, on its own
   streams, and the host threads beside the training thread use almost no CPU; the agent
-  does not measure the term there (None), and it is 0: the model is as before.
+  does not measure the term there (None), and it is 0: the model is as before;
+- stage 3's parameter management: at stage 3 the training thread gathers every unit into a
+  pooled buffer, points the parameters at views of it, releases it after use, and reduces
+  each unit's gradients as it is ready (engine/params_sharded.py, reducers.py), work stage
+  1 and 2 do not do. The run measures it as the time of its communication phases
+  (`param_gather`, `grad_reduce`, exclusive parts) that is not spent waiting on a
+  collective: `comm_phase_host_s` = exposed_param_gather + exposed_grad_reduce - exposed
+  comm. A stage-3 run's is removed when the prediction moves to stage 1 or 2 and kept
+  within stage 3; a run below stage 3 has not measured stage 3's, and nothing is added (a
+  prediction from stage 1 or 2 to 3 leaves it out, and is that much too fast). On a GPU the
+  host's bookkeeping runs ahead of the device's queue and the parts are the device's
+  timeline: not measured there (None), 0.
 
-predicted step = measured step - (exposed comm + optimizer + offload copies + overlap now)
-                               + (the same four for the other configuration)
+predicted step = measured step - (exposed comm + optimizer + offload copies + overlap now
+                                  + stage-3 parameter management now)
+                               + (the same five for the other configuration)
 
 Standard library, theory and plan only.
 """
@@ -77,6 +89,11 @@ class Measured:
     #: communication threads), on a run that computes on the host; None: not measured.
     thread_cpu_s: float | None = None
     other_cpu_s: float | None = None
+    #: Seconds per step of the communication phases (param_gather, grad_reduce: their
+    #: exclusive parts) not spent waiting on a collective: the training thread's own work
+    #: around the collectives; at stage 3 its parameter management. None: not measured (a
+    #: GPU run, an agent without the exclusive parts).
+    comm_phase_host_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,13 +234,17 @@ def predict(m: Measured, change: Change) -> Prediction:
     rho = overlap_cpu_per_comm_s(m, comm_now)
     overlap_now = rho * comm_now
     overlap_new = rho * comm_new if not math.isnan(comm_new) else overlap_now
+    manage_now = stage3_management_s(m)
+    manage_new = manage_now if st == 3 else 0.0
     step = (m.step_time_s - m.exposed_comm_s - m.optimizer_s - copies_now - overlap_now
-            + exposed_new + opt_new + copies_new + overlap_new)  # fmt: skip
+            - manage_now + exposed_new + opt_new + copies_new + overlap_new
+            + manage_new)  # fmt: skip
     state = _layout_bytes(m, st, oo, op_) * overhead
     peak = None if m.peak_bytes is None else m.peak_bytes - m.model_state_bytes + state
     basis.update(comm_s_now=comm_now, comm_s_new=comm_new, optimizer_s_new=opt_new,
                  copies_s_new=copies_new, overlap_s_now=overlap_now,
-                 overlap_s_new=overlap_new)  # fmt: skip
+                 overlap_s_new=overlap_new, stage3_management_s_now=manage_now,
+                 stage3_management_s_new=manage_new)  # fmt: skip
     return Prediction(change=change, step_time_s=max(step, 0.0), model_state_bytes=state,
                       peak_bytes=peak, fits=_fits(m, peak), calibrated=calibrated,
                       basis=basis)  # fmt: skip
@@ -236,6 +257,16 @@ def overlap_cpu_per_comm_s(m: Measured, comm_s: float) -> float:
     if m.other_cpu_s is None or not comm_s or math.isnan(comm_s) or comm_s <= 0:
         return 0.0
     return max(m.other_cpu_s, 0.0) / comm_s
+
+
+def stage3_management_s(m: Measured) -> float:
+    """Seconds per step of stage 3's parameter management on the training thread: the
+    run's `comm_phase_host_s` on a stage-3 CPU run; 0 below stage 3 (the run measured
+    the lower stage's own bucket handling, which a stage-1/2 layout keeps), on a GPU and
+    where not measured."""
+    if m.stage != 3 or m.device != "cpu" or m.comm_phase_host_s is None:
+        return 0.0
+    return max(m.comm_phase_host_s, 0.0)
 
 
 def _exposed_share(m: Measured) -> float:
@@ -303,4 +334,5 @@ __all__ = [
     "overlap_cpu_per_comm_s",
     "predict",
     "reference_bandwidth",
+    "stage3_management_s",
 ]

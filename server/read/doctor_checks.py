@@ -268,7 +268,18 @@ def measured(e: Evidence) -> predict.Measured | None:
         offload_bytes_per_s=statistics.median(offload_bw) if offload_bw else None,
         zero_config=dict(config.get("zero_optimization") or {}),
         thread_cpu_s=e.median("thread_cpu_s"), other_cpu_s=e.median("other_cpu_s"),
+        comm_phase_host_s=_comm_phase_host_s(e, exposed),
     )  # fmt: skip
+
+
+def _comm_phase_host_s(e: Evidence, exposed: float) -> float | None:
+    """The communication phases' time (exclusive parts) not spent waiting on a collective:
+    the training thread's own work around them (stage 3: its parameter management). None
+    without the parts (older agents)."""
+    gather, reduce = e.median("part.exposed_param_gather"), e.median("part.exposed_grad_reduce")
+    if gather is None and reduce is None:
+        return None
+    return (gather or 0.0) + (reduce or 0.0) - exposed
 
 
 def exposed_communication(e: Evidence, s: DoctorSettings) -> list[Finding]:

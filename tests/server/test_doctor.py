@@ -269,6 +269,37 @@ def test_a_host_runs_cpu_times_calibrate_the_overlap_cost(db: Database) -> None:
     assert predict.predict(bare, predict.Change(stage=1)).basis["overlap_s_now"] == 0.0
 
 
+def test_the_communication_phases_host_time_reaches_the_planner(db: Database) -> None:
+    """comm_phase_host_s is the communication phases' exclusive parts less the exposed
+    communication (medians over the window); a run without parts (an older agent) has None."""
+
+    def parts(e: ev.StepEvent) -> ev.StepEvent:
+        p = dict(e.parts)
+        p["exposed_param_gather"] = e.exposed_comm_s * 0.5 + 0.002
+        p["exposed_grad_reduce"] = e.exposed_comm_s * 0.5 + 0.001
+        return dataclasses.replace(e, parts=p)
+
+    from sqlalchemy import select
+    from zerowatch.server import models
+    from zerowatch.server.read import doctor_checks, doctor_evidence, runs
+
+    def measured(run_id: str) -> predict.Measured:
+        with db.read() as conn:
+            row = conn.execute(select(models.runs).where(models.runs.c.run_id == run_id)).one()
+            run = runs.run_dict(row, now=0.0, stalled_after_s=float("inf"))
+            e = doctor_evidence.gather(conn, int(row.id), run, DoctorSettings())
+        assert e is not None
+        got = doctor_checks.measured(e)
+        assert got is not None
+        return got
+
+    spec = dataclasses.replace(SPEC, stage=3)
+    m = measured(_store(db, spec, mutate=parts))
+    assert m.comm_phase_host_s == pytest.approx(0.003, abs=2e-4)
+    bare = measured(_store(db, spec, mutate=lambda e: dataclasses.replace(e, parts={})))
+    assert bare.comm_phase_host_s is None
+
+
 def theory_bytes(psi: int, n: int, stage: int) -> float:
     from zerowatch import theory
 
