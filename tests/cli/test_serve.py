@@ -3,11 +3,13 @@ a one-line usage error naming --port, before any start-up."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from support.ports import free_port
@@ -15,6 +17,23 @@ from support.ports import free_port
 
 def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("ZEROWATCH_")}
+
+
+@contextlib.contextmanager
+def _serving(cwd: Path) -> Iterator[tuple[int, subprocess.Popen[str], str]]:
+    """`zerowatch serve` on a free port in `cwd`: yields (port, process, its first printed
+    line), then ends it with SIGINT (Ctrl-C)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zerowatch.cli", "serve", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=cwd, env=_env(),
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        yield port, proc, proc.stdout.readline()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
 
 
 def test_serve_on_a_port_in_use_exits_2_naming_port_before_start_up() -> None:
@@ -32,17 +51,8 @@ def test_serve_on_a_port_in_use_exits_2_naming_port_before_start_up() -> None:
 
 
 def test_serve_prints_the_sqlite_file_it_opened_as_an_absolute_path(tmp_path: Path) -> None:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "zerowatch.cli", "serve", "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path, env=_env(),
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        first = proc.stdout.readline()
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
+    with _serving(tmp_path) as (port, _, first):
+        pass
     assert first.strip() == (
         f"zerowatch server on http://127.0.0.1:{port} (database sqlite:///{tmp_path / 'zerowatch.db'})"
     )
@@ -70,14 +80,7 @@ def test_serve_keeps_an_agents_connection_open_between_its_flushes(tmp_path: Pat
     from zerowatch.server.app import KEEP_ALIVE_S
 
     assert KEEP_ALIVE_S > MAX_FLUSH_INTERVAL_S
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "zerowatch.cli", "serve", "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path, env=_env(),
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        proc.stdout.readline()
+    with _serving(tmp_path) as (port, proc, _):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         for _ in range(300):  # until the app answers
             try:
@@ -96,6 +99,3 @@ def test_serve_keeps_an_agents_connection_open_between_its_flushes(tmp_path: Pat
         limits = Path(f"/proc/{proc.pid}/limits").read_text().splitlines()
         soft, hard = next(ln for ln in limits if ln.startswith("Max open files")).split()[3:5]
         assert soft == hard or int(soft) >= 1_048_576, (soft, hard)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)

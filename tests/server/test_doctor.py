@@ -237,6 +237,22 @@ def test_predictions_point_the_right_way_on_a_small_model() -> None:
     assert back.model_state_bytes == pytest.approx(m.model_state_bytes, rel=0.01)
 
 
+def _measured(db: Database, run_id: str) -> predict.Measured:
+    """What the doctor hands the planner for a stored run (its evidence, then Measured)."""
+    from sqlalchemy import select
+    from zerowatch.server import models
+    from zerowatch.server.read import doctor_checks, doctor_evidence, runs
+
+    with db.read() as conn:
+        row = conn.execute(select(models.runs).where(models.runs.c.run_id == run_id)).one()
+        run = runs.run_dict(row, now=0.0, stalled_after_s=float("inf"))
+        e = doctor_evidence.gather(conn, int(row.id), run, DoctorSettings())
+    assert e is not None
+    got = doctor_checks.measured(e)
+    assert got is not None
+    return got
+
+
 def test_a_host_runs_cpu_times_calibrate_the_overlap_cost(db: Database) -> None:
     """The comm threads' CPU time (other_cpu_s, median over the window) reaches the planner;
     a run without it (a GPU run, an older agent) prices no overlap cost."""
@@ -244,27 +260,13 @@ def test_a_host_runs_cpu_times_calibrate_the_overlap_cost(db: Database) -> None:
     def cpu(e: ev.StepEvent) -> ev.StepEvent:
         return dataclasses.replace(e, thread_cpu_s=0.5 * e.step_time_s, other_cpu_s=0.01)
 
-    def measured(run_id: str) -> predict.Measured:
-        from sqlalchemy import select
-        from zerowatch.server import models
-        from zerowatch.server.read import doctor_checks, doctor_evidence, runs
-
-        with db.read() as conn:
-            row = conn.execute(select(models.runs).where(models.runs.c.run_id == run_id)).one()
-            run = runs.run_dict(row, now=0.0, stalled_after_s=float("inf"))
-            e = doctor_evidence.gather(conn, int(row.id), run, DoctorSettings())
-        assert e is not None
-        got = doctor_checks.measured(e)
-        assert got is not None
-        return got
-
     spec = dataclasses.replace(SPEC, stage=3)
-    m = measured(_store(db, spec, mutate=cpu))
+    m = _measured(db, _store(db, spec, mutate=cpu))
     assert m.other_cpu_s == pytest.approx(0.01) and m.thread_cpu_s is not None
     to_1 = predict.predict(m, predict.Change(stage=1))
     assert to_1.basis["overlap_s_now"] == pytest.approx(0.01)
     assert 0 < to_1.basis["overlap_s_new"] < 0.01  # stage 1 moves less than stage 3
-    bare = measured(_store(db, spec))
+    bare = _measured(db, _store(db, spec))
     assert bare.other_cpu_s is None
     assert predict.predict(bare, predict.Change(stage=1)).basis["overlap_s_now"] == 0.0
 
@@ -279,24 +281,10 @@ def test_the_communication_phases_host_time_reaches_the_planner(db: Database) ->
         p["exposed_grad_reduce"] = e.exposed_comm_s * 0.5 + 0.001
         return dataclasses.replace(e, parts=p)
 
-    from sqlalchemy import select
-    from zerowatch.server import models
-    from zerowatch.server.read import doctor_checks, doctor_evidence, runs
-
-    def measured(run_id: str) -> predict.Measured:
-        with db.read() as conn:
-            row = conn.execute(select(models.runs).where(models.runs.c.run_id == run_id)).one()
-            run = runs.run_dict(row, now=0.0, stalled_after_s=float("inf"))
-            e = doctor_evidence.gather(conn, int(row.id), run, DoctorSettings())
-        assert e is not None
-        got = doctor_checks.measured(e)
-        assert got is not None
-        return got
-
     spec = dataclasses.replace(SPEC, stage=3)
-    m = measured(_store(db, spec, mutate=parts))
+    m = _measured(db, _store(db, spec, mutate=parts))
     assert m.comm_phase_host_s == pytest.approx(0.003, abs=2e-4)
-    bare = measured(_store(db, spec, mutate=lambda e: dataclasses.replace(e, parts={})))
+    bare = _measured(db, _store(db, spec, mutate=lambda e: dataclasses.replace(e, parts={})))
     assert bare.comm_phase_host_s is None
 
 
