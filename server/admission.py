@@ -42,7 +42,7 @@ _RATE_WINDOW_S = 2.0
 #: Admitted requests should be answered within this (well inside the agent's 5 s timeout):
 #: slower answers lower the limit, fast ones raise it again.
 TARGET_LATENCY_S = 1.0
-#: The adaptive limit never goes below this.
+#: The adaptive limit never goes below this (nor above `max_pending`, when that is lower).
 _MIN_LIMIT = 4
 
 
@@ -96,7 +96,8 @@ class Admission:
             self.pending -= 1
             if latency_s > TARGET_LATENCY_S:
                 if now - self._last_decrease >= TARGET_LATENCY_S:
-                    self.limit = max(self.limit * 0.9, _MIN_LIMIT)
+                    floor = min(_MIN_LIMIT, self.max_pending)
+                    self.limit = max(self.limit * 0.9, floor)
                     self._last_decrease = now
             elif self.limit < self.max_pending:
                 self.limit = min(self.limit + 1.0, float(self.max_pending))

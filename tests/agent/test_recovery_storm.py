@@ -2,10 +2,17 @@
 spools at once into a real server that admits two ingest requests at a time. The server
 turns the rest away with 503 + Retry-After, every agent waits at least that long before it
 tries again, and in the end every step of every rank is stored exactly once
-(bench/faults.py runs the same with thousands of ranks)."""
+(bench/faults.py runs the same with thousands of ranks).
+
+The storm must land at once, whatever the machine's speed: with the server's process stopped
+(SIGSTOP) every rank's first request waits in the server's socket buffers, and when it goes
+on (SIGCONT) it reads them together. Without the pause a fast server answers 24 in-process
+agents one by one, and none is shed."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import uuid
 from typing import Any
@@ -33,7 +40,13 @@ def test_a_storm_is_shed_with_retry_after_honoured_and_every_step_stored_once(tm
         agents = SimAgents(server.url, spec, run_id, ranks=range(RANKS), spool_root=spool_root,
                            next_step=OUTAGE_STEPS, client_factory=client_factory,
                            batch_max_events=8, flush_interval_s=0.2)  # fmt: skip
-        agents.start()  # the server is back: every rank replays at once
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            agents.start()  # the server is back: every rank replays at once
+            time.sleep(1.0)
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
         for _ in range(LIVE_STEPS):  # and training goes on meanwhile
             agents.step()
             time.sleep(0.3)

@@ -81,3 +81,15 @@ def test_slow_answers_lower_the_limit_and_fast_ones_raise_it_again(monkeypatch) 
         admission.try_admit()
         admission.release(latency_s=0.05)
     assert admission.limit == 64
+
+
+def test_slow_answers_never_raise_a_bound_set_below_the_floor(monkeypatch) -> None:
+    clock = SimpleNamespace(now=1000.0)
+    monkeypatch.setattr(admission_module, "time", SimpleNamespace(monotonic=lambda: clock.now))
+    admission = Admission(2)
+    for _ in range(10):
+        assert admission.try_admit() is None
+        clock.now += 2.0
+        admission.release(latency_s=5.0)
+    assert admission.limit == 2
+    assert [admission.try_admit() is None for _ in range(3)] == [True, True, False]
