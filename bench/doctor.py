@@ -2,23 +2,25 @@
 each changed configuration, and print predicted against measured step time and per-rank
 model-state memory.
 
-    python bench/doctor.py [--stage 3] [--max-changes 6] [--steps 12] [--repeat 1]
+    python bench/doctor.py [--stage 3,1] [--max-changes 6] [--steps 30] [--repeat 1]
 
 It starts a zerowatch server (temp SQLite), trains the example GPT with 2 gloo ranks on CPU
 (tests/support/doctor_job.py, one run at a time), reads `GET /api/v1/runs/{id}/findings`,
 and takes every prediction the findings carry: the stage_choice finding's candidates (every
 other stage and offload, each predicted by the planner calibrated on this run) and the
-latency_bound_collectives finding's bucket size. Measured step time: the run's recent median
-(the run resource's `step_time_s`); memory: the median over steps of the fullest rank's
-device model-state bytes (`memory.state.<kind>` of the kinds held on the device,
-max over ranks). Keep it short on a shared machine: each
-run costs a few seconds of two CPU cores. It prints the time and the load average at its
-start and end, and runs the base configuration once more at the end: the spread of the base
-runs is the noise the predictions are judged against. `--repeat K` runs K rounds of the base
-and every change, interleaved, and compares the medians (the predictions of each round's
-base run, the measurements of each change), so that a burst of load from another job moves
-one run of K, not the table. It also prints the stage-3 parameter management the base
-run measured and the same predictions without that term, judged on the same measurements.
+latency_bound_collectives finding's bucket size. It does so from each base stage of
+`--stage` in turn (default 3, then 1: the changes down from stage 3 and up from stage 1),
+a table each and a line over all. Measured step time: the statistic the doctor calibrates
+on, for the base and the changes alike: the median over the run's window (the steps after
+the warm-up) of the per-step median over ranks; memory: the median over steps of the
+fullest rank's device model-state bytes (`memory.state.<kind>` of the kinds held on the
+device, max over ranks). Each run costs a few seconds of two CPU cores. It prints the time
+and the load average at its start and end, the base run's contention (predict.contention:
+1 with the host to itself), and runs the base configuration once more at the end: the
+spread of the base runs is the noise the predictions are judged against. `--repeat K` runs
+K rounds of the base and every change, interleaved, and compares the medians (the
+predictions of each round's base run, the measurements of each change), so that a burst of
+load from another job moves one run of K, not the table.
 """
 
 from __future__ import annotations
@@ -65,13 +67,20 @@ def _train(url: str, args: list[str], steps: int) -> str:
 
 
 def _measured(url: str, run_id: str) -> tuple[float, float]:
-    run = httpx.get(f"{url}/api/v1/runs/{run_id}", timeout=30).json()
+    """(step time, device model-state bytes): the step time as the doctor measures a run it
+    predicts from (the median over the steps of its window, after the warm-up steps, of
+    the per-step median over ranks), so that both sides of a comparison are one statistic."""
+    window = httpx.get(f"{url}/api/v1/runs/{run_id}/findings", timeout=30).json()["window"]
+    got = httpx.get(f"{url}/api/v1/runs/{run_id}/series", params={"metric": "step_time_s"},
+                    timeout=30).json()  # fmt: skip
+    steps = [v for st, v in zip(got["steps"], got["stats"]["p50"], strict=True)
+             if window[0] <= st <= window[1]]  # fmt: skip
     state = 0.0  # device model state: the kinds not offloaded to the host
     for kind in ("params", "grads", "optimizer_states", "master_weights"):
         mem = httpx.get(f"{url}/api/v1/runs/{run_id}/series",
                         params={"metric": f"memory.state.{kind}"}, timeout=30).json()  # fmt: skip
         state += statistics.median(mem["stats"]["max"]) if mem["stats"]["max"] else 0.0
-    return float(run["step_time_s"]), float(state)
+    return float(statistics.median(steps)), float(state)
 
 
 def _args_for(config: dict[str, Any], base: list[str]) -> list[str]:
@@ -91,10 +100,85 @@ def _args_for(config: dict[str, Any], base: list[str]) -> list[str]:
     return args
 
 
+def _base(url: str, a: argparse.Namespace, stage: str) -> list[tuple[float, float]]:
+    """One base configuration: its rounds, its table; (step error, memory error) per change."""
+    base = ["--stage", stage, *a.extra.split()]
+    base_steps: list[float] = []
+    contention: list[float] = []
+    preds_of: dict[str, list[dict[str, Any]]] = {}
+    measured_of: dict[str, list[tuple[float, float]]] = {}
+    changes: list[dict[str, Any]] = []
+    now_state = 0.0
+    for r in range(max(a.repeat, 1)):
+        base_id = _train(url, base, a.steps)
+        now_step, now_state = _measured(url, base_id)
+        base_steps.append(now_step)
+        found = httpx.get(f"{url}/api/v1/runs/{base_id}/findings", timeout=30).json()
+        preds: list[dict[str, Any]] = []
+        for f in found["findings"]:
+            if r == 0:
+                print(f"[{f['severity']}] {f['kind']}: {f['message']}")
+            preds += f["evidence"].get("candidates", [])
+            if f["prediction"] and f["kind"] != "stage_choice":
+                preds.append(f["prediction"])
+        if r == 0:
+            changes = preds[: a.max_changes]
+        for pred in preds:
+            preds_of.setdefault(pred["change"], []).append(pred)
+        if preds:
+            contention.append(preds[0]["basis"].get("contention", 1.0))
+        for change in changes:
+            run_id = _train(url, _args_for(change["config"], base), a.steps)
+            measured_of.setdefault(change["change"], []).append(_measured(url, run_id))
+    base_steps.append(_measured(url, _train(url, base, a.steps))[0])
+    runs = ", ".join(f"{s * 1e3:.1f}" for s in base_steps)
+    print(f"\nbase: stage {stage} {' '.join(a.extra.split())}: step "
+          f"{statistics.median(base_steps[:-1]) * 1e3:.1f} ms (runs: {runs} ms, the last "
+          f"after the changes), model state {now_state / 2**20:.2f} MiB")  # fmt: skip
+    if contention:
+        print("contention (step less its waits over the CPU its threads used; 1: the host "
+              f"to itself): {', '.join(f'{c:.2f}' for c in contention)}")  # fmt: skip
+    manage = [p["basis"]["stage3_management_s_now"] for ps in preds_of.values() for p in ps
+              if "stage3_management_s_now" in p["basis"]]  # fmt: skip
+    if manage and stage == "3":
+        print(f"stage 3's parameter management (communication phases outside the "
+              f"collective waits): {statistics.median(manage) * 1e3:.1f} ms a step")  # fmt: skip
+    print(f"\n{'change':<40} {'step pred':>9} {'measured':>9} {'err':>6}   "
+          f"{'state pred':>10} {'measured':>9} {'err':>6}")  # fmt: skip
+    errs: list[tuple[float, float]] = []
+    for change in changes:
+        name = change["change"]
+        pred_step = statistics.median(p["step_time_s"] for p in preds_of[name])
+        pred_state = statistics.median(p["model_state_bytes"] for p in preds_of[name])
+        step = statistics.median(s for s, _ in measured_of[name])
+        state = statistics.median(m for _, m in measured_of[name])
+        es, em = pred_step / step - 1, pred_state / state - 1
+        errs.append((es, em))
+        runs = ("  (" + ", ".join(f"{s * 1e3:.1f}" for s, _ in measured_of[name]) + ")"
+                if len(measured_of[name]) > 1 else "")  # fmt: skip
+        print(f"{name:<40} {pred_step * 1e3:>7.1f}ms {step * 1e3:>7.1f}ms "
+              f"{es:>+6.0%}   {pred_state / 2**20:>8.2f}Mi "
+              f"{state / 2**20:>7.2f}Mi {em:>+6.0%}{runs}")  # fmt: skip
+    _summary(errs)
+    return errs
+
+
+def _summary(errs: list[tuple[float, float]], prefix: str = "") -> None:
+    if not errs:
+        print(f"{prefix}no change predicted")
+        return
+    step = [abs(e) for e, _ in errs]
+    print(f"{prefix}{len(errs)} changes: step time within 15%: {sum(e <= 0.15 for e in step)}/"
+          f"{len(errs)} (median error {statistics.median(step):.0%}); memory within 5%: "
+          f"{sum(abs(m) <= 0.05 for _, m in errs)}/{len(errs)}")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--stage", default="3")
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--stage", default="3,1",
+                   help="the base configurations' stages, one table each (default: 3 and 1, "
+                   "so that the changes go both ways)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--max-changes", type=int, default=6)
     p.add_argument("--extra", default="", help="more job arguments for the base run")
     p.add_argument("--repeat", type=int, default=1,
@@ -117,72 +201,12 @@ def main() -> None:
                 time.sleep(0.2)
         print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load "
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
-        base = ["--stage", a.stage, *a.extra.split()]
-        base_steps: list[float] = []
-        preds_of: dict[str, list[dict[str, Any]]] = {}
-        measured_of: dict[str, list[tuple[float, float]]] = {}
-        changes: list[dict[str, Any]] = []
-        for r in range(max(a.repeat, 1)):
-            base_id = _train(url, base, a.steps)
-            now_step, now_state = _measured(url, base_id)
-            base_steps.append(now_step)
-            found = httpx.get(f"{url}/api/v1/runs/{base_id}/findings", timeout=30).json()
-            preds: list[dict[str, Any]] = []
-            for f in found["findings"]:
-                if r == 0:
-                    print(f"[{f['severity']}] {f['kind']}: {f['message']}")
-                preds += f["evidence"].get("candidates", [])
-                if f["prediction"] and f["kind"] != "stage_choice":
-                    preds.append(f["prediction"])
-            if r == 0:
-                changes = preds[: a.max_changes]
-            for pred in preds:
-                preds_of.setdefault(pred["change"], []).append(pred)
-            for change in changes:
-                run_id = _train(url, _args_for(change["config"], base), a.steps)
-                measured_of.setdefault(change["change"], []).append(_measured(url, run_id))
-        base_steps.append(_measured(url, _train(url, base, a.steps))[0])
-        runs = ", ".join(f"{s * 1e3:.1f}" for s in base_steps)
-        print(f"\nbase: stage {a.stage} {' '.join(a.extra.split())}: step "
-              f"{statistics.median(base_steps[:-1]) * 1e3:.1f} ms (runs: {runs} ms, the last "
-              f"after the changes), model state {now_state / 2**20:.2f} MiB")  # fmt: skip
-        manage = [p["basis"]["stage3_management_s_now"] for ps in preds_of.values() for p in ps
-                  if "stage3_management_s_now" in p["basis"]]  # fmt: skip
-        if manage:
-            print(f"stage 3's parameter management (communication phases outside the "
-                  f"collective waits): {statistics.median(manage) * 1e3:.1f} ms a step")  # fmt: skip
-        print(f"\n{'change':<40} {'step pred':>9} {'measured':>9} {'err':>6}   "
-              f"{'state pred':>10} {'measured':>9} {'err':>6}")  # fmt: skip
-        step_errs, mem_errs, without_errs = [], [], []
-        for change in changes:
-            name = change["change"]
-            pred_step = statistics.median(p["step_time_s"] for p in preds_of[name])
-            # The same prediction without stage 3's parameter management term (the model
-            # before it), judged against the same measurements.
-            pred_without = statistics.median(
-                p["step_time_s"] + p["basis"].get("stage3_management_s_now", 0.0)
-                - p["basis"].get("stage3_management_s_new", 0.0) for p in preds_of[name]
-            )  # fmt: skip
-            pred_state = statistics.median(p["model_state_bytes"] for p in preds_of[name])
-            step = statistics.median(s for s, _ in measured_of[name])
-            state = statistics.median(m for _, m in measured_of[name])
-            es, em = pred_step / step - 1, pred_state / state - 1
-            step_errs.append(abs(es))
-            without_errs.append(abs(pred_without / step - 1))
-            mem_errs.append(abs(em))
-            runs = ("  (" + ", ".join(f"{s * 1e3:.1f}" for s, _ in measured_of[name]) + ")"
-                    if len(measured_of[name]) > 1 else "")  # fmt: skip
-            print(f"{name:<40} {pred_step * 1e3:>7.1f}ms {step * 1e3:>7.1f}ms "
-                  f"{es:>+6.0%}   {pred_state / 2**20:>8.2f}Mi "
-                  f"{state / 2**20:>7.2f}Mi {em:>+6.0%}{runs}")  # fmt: skip
-        if step_errs:
-            print(f"\n{len(step_errs)} changes: step time within 15%: "
-                  f"{sum(e <= 0.15 for e in step_errs)}/{len(step_errs)} (median error "
-                  f"{statistics.median(step_errs):.0%}); memory within 5%: "
-                  f"{sum(e <= 0.05 for e in mem_errs)}/{len(mem_errs)}")  # fmt: skip
-            print(f"without the stage-3 parameter management term: step time within 15%: "
-                  f"{sum(e <= 0.15 for e in without_errs)}/{len(without_errs)} (median error "
-                  f"{statistics.median(without_errs):.0%})")  # fmt: skip
+        errs: list[tuple[float, float]] = []
+        for stage in a.stage.split(","):
+            print(f"\n== base: stage {stage}")
+            errs += _base(url, a, stage.strip())
+        if len(a.stage.split(",")) > 1:
+            _summary(errs, prefix="\nall bases: ")
         print(f"{time.strftime('%H:%M UTC', time.gmtime())}, load "
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
     finally:

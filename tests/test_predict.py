@@ -16,7 +16,9 @@ PSI, N = 1_000_000, 2
 def stage3_on_cpu(**kw: object) -> predict.Measured:
     """A stage-3 CPU run of 1M fp32 parameters on 2 ranks. Theory: all-gather 8 MB and
     reduce-scatter 4 MB a step (bus factor 1/2: 4 and 2 MB of traffic); at the measured 400
-    and 200 MB/s of bus bandwidth that is 10 + 10 = 20 ms of communication a step."""
+    and 200 MB/s of bus bandwidth that is 10 + 10 = 20 ms of communication a step. The host
+    was its own: the step less its waits (50 - 8 ms) is within the CPU its threads used
+    (37 + 6 ms: the comm threads ran beside the training thread part of the time)."""
     base = dict(
         num_params=PSI, world_size=N, stage=3, device="cpu",
         step_time_s=0.050, exposed_comm_s=0.008, optimizer_s=0.002,
@@ -25,7 +27,7 @@ def stage3_on_cpu(**kw: object) -> predict.Measured:
         calls={"all_gather": 8, "reduce_scatter": 4},
         comm_bytes={"all_gather": 8e6, "reduce_scatter": 4e6},
         model_state_bytes=float(theory.model_state_bytes(PSI, N, 3).device_total),
-        thread_cpu_s=0.030, other_cpu_s=0.006,
+        thread_cpu_s=0.037, other_cpu_s=0.006,
     )  # fmt: skip
     base.update(kw)
     return predict.Measured(**base)  # type: ignore[arg-type]
@@ -120,3 +122,41 @@ def test_the_parameter_management_is_zero_on_gpu_below_stage_3_and_unmeasured() 
     assert predict.stage3_management_s(dataclasses.replace(m, comm_phase_host_s=-0.001)) == 0.0
     s1 = dataclasses.replace(m, stage=1)
     assert predict.predict(s1, predict.Change(stage=3)).basis["stage3_management_s_new"] == 0.0
+
+
+def test_a_run_that_shared_its_cores_is_predicted_for_the_host_to_itself() -> None:
+    """Another process took the cores: the same work (the clocks: 36 + 6 ms of CPU) took
+    twice the wall time, every wall-clock figure with it (step 100 ms, waits 16, optimizer
+    4, communication phases 6, collectives 20 + 20 ms and so half the bandwidth). c = (100 -
+    16) / 42 = 2: the prediction is the one of the undisturbed run, 43.5 ms (the test
+    above), and so is the step it is compared with."""
+    quiet = stage3_on_cpu(comm_phase_host_s=0.003)
+    shared = stage3_on_cpu(
+        step_time_s=0.100, exposed_comm_s=0.016, optimizer_s=0.004, comm_phase_host_s=0.006,
+        comm_s={"all_gather": 0.020, "reduce_scatter": 0.020},
+        busbw={"all_gather": 2e8, "reduce_scatter": 1e8}, thread_cpu_s=0.036,
+    )  # fmt: skip
+    assert predict.contention(quiet) == 1.0
+    assert predict.contention(shared) == pytest.approx(2.0)
+    assert predict.uncontended(shared).step_time_s == pytest.approx(0.050)
+    assert predict.uncontended(shared).busbw["all_gather"] == pytest.approx(4e8)
+    got = predict.predict(shared, predict.Change(stage=1))
+    assert got.basis["contention"] == pytest.approx(2.0)
+    assert got.basis["step_time_uncontended_s"] == pytest.approx(0.050)
+    assert got.step_time_s == pytest.approx(predict.predict(quiet, predict.Change(stage=1))
+                                            .step_time_s)  # fmt: skip
+    assert got.step_time_s == pytest.approx(0.0435)
+    assert got.to_dict(shared)["step_time_now_s"] == 0.100  # what the run measured
+
+
+def test_contention_is_one_without_the_clocks_or_where_they_explain_the_step() -> None:
+    """A GPU run or an older agent reads no clocks; a step the waits and the threads' CPU
+    explain (or more than explain: the comm threads ran beside the training thread) is the
+    host's own."""
+    m = stage3_on_cpu(step_time_s=0.100)
+    assert predict.contention(dataclasses.replace(m, thread_cpu_s=None)) == 1.0
+    assert predict.contention(dataclasses.replace(m, device="cuda")) == 1.0
+    assert predict.contention(dataclasses.replace(m, step_time_s=0.045)) == 1.0
+    assert predict.uncontended(dataclasses.replace(m, device="cuda")).step_time_s == 0.100
+    assert predict.predict(dataclasses.replace(m, thread_cpu_s=None),
+                           predict.Change(stage=3, offload_optimizer=True)).step_time_s > 0.1  # fmt: skip

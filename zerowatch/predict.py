@@ -40,9 +40,23 @@ between the two configurations come from the model:
   host's bookkeeping runs ahead of the device's queue and the parts are the device's
   timeline: not measured there (None), 0.
 
+- contention: on a CPU run the step less its collective waits is the training thread's
+  work, and the two clocks say how much CPU that took: the training thread's own
+  (`thread_cpu_s`) and, at most, all of its communication threads' (`other_cpu_s`, which
+  can take the core from it). A step that took longer than that, c = (step - exposed comm)
+  / (thread_cpu_s + other_cpu_s) > 1, was off the CPU for reasons of neither: another
+  process had the cores (or the job slept or did I/O inside the step). Everything the run
+  measured in wall-clock time (the step, its waits, the optimizer step, the communication
+  phases, the collectives' seconds and so their bandwidth, the copies) is stretched by it,
+  the CPU clocks are not; the prediction is made from the run with its wall-clock figures
+  divided by c (`uncontended`): for this job with the host to itself. c <= 1 (a host to
+  itself: the waits and the comm threads explain the rest) changes nothing; on a GPU the
+  clocks are not read, and c is 1.
+
 predicted step = measured step - (exposed comm + optimizer + offload copies + overlap now
                                   + stage-3 parameter management now)
                                + (the same five for the other configuration)
+                 (each figure of the run as `uncontended` gives it)
 
 Standard library, theory and plan only.
 """
@@ -51,7 +65,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from zerowatch import plan, theory
@@ -194,15 +208,46 @@ def _copies(m: Measured, stage: int, off_opt: bool, off_par: bool) -> float:
     )
 
 
+def contention(m: Measured) -> float:
+    """c >= 1: how much longer the run's step, less its collective waits, took than the CPU
+    its training thread and communication threads used (module docstring); 1 where the
+    clocks were not read (a GPU run, an older agent) or explain the step."""
+    if m.thread_cpu_s is None or m.other_cpu_s is None or m.device != "cpu":
+        return 1.0
+    own = max(m.thread_cpu_s, 0.0) + max(m.other_cpu_s, 0.0)
+    busy = m.step_time_s - m.exposed_comm_s
+    return busy / own if own > 0 and busy > own else 1.0
+
+
+def uncontended(m: Measured) -> Measured:
+    """The run with every wall-clock figure divided by its contention (bandwidths
+    multiplied): what it would have measured with the host to itself. The CPU clocks and
+    the bytes are kept."""
+    c = contention(m)
+    if c == 1.0:
+        return m
+    return replace(
+        m, step_time_s=m.step_time_s / c, exposed_comm_s=m.exposed_comm_s / c,
+        optimizer_s=m.optimizer_s / c, comm_s={op: s / c for op, s in m.comm_s.items()},
+        busbw={op: bw * c for op, bw in m.busbw.items()},
+        offload_bytes_per_s=None if m.offload_bytes_per_s is None else m.offload_bytes_per_s * c,
+        comm_phase_host_s=None if m.comm_phase_host_s is None else m.comm_phase_host_s / c,
+    )  # fmt: skip
+
+
 def predict(m: Measured, change: Change) -> Prediction:
-    """The step time and per-rank memory of `change` applied to the measured run."""
+    """The step time and per-rank memory of `change` applied to the measured run (its
+    wall-clock figures taken back to the host to itself first: `uncontended`)."""
+    c = contention(m)
+    m = uncontended(m)
     calibrated = True
     copy_bw = m.offload_bytes_per_s or HOST_COPY_BYTES_PER_S
     if not m.offload_bytes_per_s:
         calibrated = calibrated and not (change.offload_optimizer or change.offload_param)
     now_state = _layout_bytes(m, m.stage, m.offload_optimizer, m.offload_param)
     overhead = m.model_state_bytes / now_state if now_state and m.model_state_bytes else 1.0
-    basis: dict[str, float] = {"state_overhead": overhead}
+    basis: dict[str, float] = {"state_overhead": overhead, "contention": c,
+                               "step_time_uncontended_s": m.step_time_s}  # fmt: skip
     if change.bucket is not None:
         key, size = change.bucket
         op = change.bucket_op or ("reduce_scatter" if key == "reduce_bucket_size" else "all_gather")
@@ -331,8 +376,10 @@ __all__ = [
     "Measured",
     "Prediction",
     "candidates",
+    "contention",
     "overlap_cpu_per_comm_s",
     "predict",
     "reference_bandwidth",
     "stage3_management_s",
+    "uncontended",
 ]

@@ -586,8 +586,11 @@ def nonfinite(e: Evidence, s: DoctorSettings) -> list[Finding]:
 
 
 def stage_choice(e: Evidence, s: DoctorSettings) -> list[Finding]:
-    """Another stage or offload that fits and is predicted faster, or that frees memory at a
-    stated cost when memory is short (the calibrated planner, zerowatch.predict)."""
+    """Another stage or offload that fits and is predicted faster; or, when memory is short
+    or none is faster, the one that frees memory at a stated cost (the calibrated planner,
+    zerowatch.predict). Predictions are against the step with the host to itself
+    (predict.uncontended): a run that shared its cores with another process is not told
+    that a change would win back what that process took."""
     m = measured(e)
     if m is None or m.world_size < 2:
         return []
@@ -595,31 +598,41 @@ def stage_choice(e: Evidence, s: DoctorSettings) -> list[Finding]:
     short = bool(m.peak_bytes and m.capacity_bytes
                  and m.peak_bytes >= s.memory_headroom_share * m.capacity_bytes)  # fmt: skip
     fitting = [p for p in preds if p.fits is not False]
-    if short:
+    now = predict.uncontended(m).step_time_s
+    fast = [p for p in fitting if p.step_time_s < (1 - s.stage_choice_min_gain) * now]
+    if fast and not short:
+        best = min(fast, key=lambda p: p.step_time_s)
+        what = (f"is predicted {_pct(1 - best.step_time_s / now)} faster: "
+                f"{fmt_seconds(best.step_time_s)} a step (now {fmt_seconds(now)}), "
+                f"{fmt_bytes(best.model_state_bytes)} of model state per rank (now "
+                f"{fmt_bytes(m.model_state_bytes)})")  # fmt: skip
+    else:
         lean = [p for p in fitting if p.model_state_bytes < m.model_state_bytes]
         if not lean:
             return []
-        best = min(lean, key=lambda p: (p.step_time_s, p.model_state_bytes))
+        # Short of memory: the fastest that frees any; otherwise (none is enough faster)
+        # the leanest, so that the trade of memory for time is on record with its cost.
+        best = (min(lean, key=lambda p: (p.step_time_s, p.model_state_bytes)) if short
+                else min(lean, key=lambda p: (p.model_state_bytes, p.step_time_s)))  # fmt: skip
         what = (f"frees {fmt_bytes(m.model_state_bytes - best.model_state_bytes)} per rank at a "
                 f"predicted step time of {fmt_seconds(best.step_time_s)} (now "
-                f"{fmt_seconds(m.step_time_s)})")  # fmt: skip
-    else:
-        fast = [p for p in fitting
-                if p.step_time_s < (1 - s.stage_choice_min_gain) * m.step_time_s]  # fmt: skip
-        if not fast:
-            return []
-        best = min(fast, key=lambda p: p.step_time_s)
-        what = (f"is predicted {_pct(1 - best.step_time_s / m.step_time_s)} faster: "
-                f"{fmt_seconds(best.step_time_s)} a step (now {fmt_seconds(m.step_time_s)}), "
-                f"{fmt_bytes(best.model_state_bytes)} of model state per rank (now "
-                f"{fmt_bytes(m.model_state_bytes)})")  # fmt: skip
+                f"{fmt_seconds(now)})")  # fmt: skip
     fits = {True: "fits", None: "device capacity unknown"}.get(best.fits, "does not fit")
+    c = predict.contention(m)
+    shared = (f" This run's steps took {c:.2f}x the CPU time its threads used outside the "
+              f"collective waits ({fmt_seconds(m.step_time_s)} a step measured): another "
+              "process shared its cores; the times here are for the host to itself."
+              if c > 1 + s.stage_choice_min_gain else "")  # fmt: skip
+    lead = best.change.describe()
+    if not short and not fast:
+        lead = (f"No layout is predicted {_pct(s.stage_choice_min_gain)} faster; the leanest, "
+                f"{lead},")  # fmt: skip
     return [
         Finding(
             kind="stage_choice",
             severity="info",
             steps=e.window,
-            message=f"{best.change.describe()} {what}; {fits}.",
+            message=f"{lead} {what}; {fits}.{shared}",
             suggestion="Paste the prediction's config into the DeepSpeed JSON and compare "
             "the next run with this one.",
             evidence={

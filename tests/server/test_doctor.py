@@ -29,8 +29,16 @@ def db(tmp_path: Path) -> Iterator[Database]:
     database.close()
 
 
-def _store(db: Database, spec: simulate.SimSpec, n: int = 30, mutate: Mutate | None = None) -> str:
+def _store(
+    db: Database,
+    spec: simulate.SimSpec,
+    n: int = 30,
+    mutate: Mutate | None = None,
+    engine_info: dict | None = None,
+) -> str:
     rc = simulate.run_create(spec)
+    if engine_info is not None:
+        rc = dataclasses.replace(rc, engine_info=engine_info)
     store.create_run(db, run=rc)
     for events in simulate.steps(spec, n):
         if mutate is not None:
@@ -208,6 +216,47 @@ def test_stage_3_on_a_comm_bound_run_suggests_a_lower_stage_with_a_paste_able_co
     assert pred["config"]["zero_optimization"]["stage"] < 3
     assert pred["step_time_s"] < pred["step_time_now_s"]
     assert pred["model_state_bytes"] > pred["model_state_now_bytes"]  # fewer shards
+
+
+def test_a_run_on_the_fastest_layout_still_states_the_trade_with_every_candidate(
+    db: Database,
+) -> None:
+    """Stage 1 with nothing predicted faster: the finding (info) names the leanest layout
+    and what it would cost, and carries every other layout's prediction, so that the
+    predictions from a lower stage (up to stage 3) can be checked as well as down from it."""
+    run_id = _store(db, dataclasses.replace(SPEC, stage=1))
+    got = doctor.findings(db=db, run_id=run_id, settings=DoctorSettings(stage_choice_min_gain=0.5))
+    assert got is not None
+    (f,) = [f for f in got["findings"] if f["kind"] == "stage_choice"]
+    assert f["severity"] == "info" and f["message"].startswith("No layout is predicted 50%")
+    pred = f["prediction"]
+    assert pred["config"]["zero_optimization"]["stage"] == 3  # the leanest
+    assert pred["model_state_bytes"] < pred["model_state_now_bytes"]
+    assert len(f["evidence"]["candidates"]) == 7  # every layout but the run's own
+
+
+def test_a_run_that_shared_its_cores_is_told_so_and_judged_on_its_own_work(
+    db: Database,
+) -> None:
+    """Stage 3 whose steps took twice the CPU its threads used outside the waits: the
+    predictions (and the step they are compared with) are the host-to-itself ones."""
+
+    def shared(e: ev.StepEvent) -> ev.StepEvent:
+        own = (e.step_time_s - e.exposed_comm_s) / 2
+        return dataclasses.replace(e, thread_cpu_s=0.9 * own, other_cpu_s=0.1 * own)
+
+    def comm_bound(e: ev.StepEvent) -> ev.StepEvent:
+        return shared(dataclasses.replace(e, exposed_comm_s=0.45 * e.step_time_s))
+
+    run_id = _store(db, dataclasses.replace(SPEC, stage=3), mutate=comm_bound,
+                    engine_info={"device": "cpu"})  # fmt: skip
+    (f,) = [f for f in _found(db, run_id) if f["kind"] == "stage_choice"]
+    assert "another process shared its cores" in f["message"]
+    basis = f["prediction"]["basis"]
+    assert basis["contention"] == pytest.approx(2.0, rel=0.05)
+    assert basis["step_time_uncontended_s"] == pytest.approx(
+        f["prediction"]["step_time_now_s"] / basis["contention"]
+    )
 
 
 def test_predictions_point_the_right_way_on_a_small_model() -> None:
