@@ -188,30 +188,39 @@ def main() -> None:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     tmp = tempfile.mkdtemp(prefix="zw-bench-doctor-")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "zerowatch.cli", "serve", "--port", str(port), "--db",
-         f"sqlite:///{tmp}/z.db"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        for _ in range(100):
-            try:
-                httpx.get(f"{url}/healthz", timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load "
-              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
-        errs: list[tuple[float, float]] = []
-        for stage in a.stage.split(","):
-            print(f"\n== base: stage {stage}")
-            errs += _base(url, a, stage.strip())
-        if len(a.stage.split(",")) > 1:
-            _summary(errs, prefix="\nall bases: ")
-        print(f"{time.strftime('%H:%M UTC', time.gmtime())}, load "
-              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
-    finally:
-        server.terminate()
-        server.wait()
+    with Path(tmp, "server.log").open("wb") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "zerowatch.cli", "serve", "--port", str(port), "--db",
+             f"sqlite:///{tmp}/z.db"], stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            _bench(url, a)
+        except Exception:
+            if server.poll() is not None:
+                print(f"the server exited ({server.returncode}); its log: {tmp}/server.log")
+            raise
+        finally:
+            server.terminate()
+            server.wait()
+
+
+def _bench(url: str, a: argparse.Namespace) -> None:
+    for _ in range(100):
+        try:
+            httpx.get(f"{url}/healthz", timeout=1)
+            break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
+    errs: list[tuple[float, float]] = []
+    for stage in a.stage.split(","):
+        print(f"\n== base: stage {stage}")
+        errs += _base(url, a, stage.strip())
+    if len(a.stage.split(",")) > 1:
+        _summary(errs, prefix="\nall bases: ")
+    print(f"{time.strftime('%H:%M UTC', time.gmtime())}, load "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
 
 
 if __name__ == "__main__":
