@@ -22,18 +22,33 @@ server asks for a longer wait than `max_retry_after_s` (default `max_wait_s`), t
 does not sit in it: it raises
 at once, and the caller (the shipper) keeps the events in its spool and comes back after
 the wait.
+
+The requests go through urllib3, one keep-alive connection per client (a connection the
+server closed while idle is noticed before the next request and opened again): a POST costs
+the shipper thread, which shares the GIL with training, about half of httpx's CPU (its
+client, auth, redirect and transport layers run for every request; measured on a loopback
+server). A server the environment routes through a proxy (`HTTP_PROXY`, `HTTPS_PROXY`,
+`NO_PROXY`, as httpx read them) is reached through it.
 """
 
 from __future__ import annotations
 
 import email.utils
+import json
 import random
 import time
+import urllib.request
+import warnings
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
-import httpx
 import tenacity
+
+# urllib3 adds two warning filters of its own when first imported: the script's filters
+# are the script's (the agent leaves them as it found them).
+with warnings.catch_warnings():
+    import urllib3
 
 from zerowatch import __version__
 
@@ -74,14 +89,28 @@ class IngestResult:
     duplicates: int
 
 
-def _detail(resp: httpx.Response) -> str:
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The server's answer to one request."""
+
+    status_code: int
+    #: The Retry-After header as sent; None without one.
+    retry_after: str | None
+    body: bytes
+
+    def json(self) -> Any:
+        """The body as JSON; raises ValueError when it is not."""
+        return json.loads(self.body)
+
+
+def _detail(answer: Answer) -> str:
     try:
-        body = resp.json()
+        body = answer.json()
         if isinstance(body, dict) and "detail" in body:
             return str(body["detail"])[:500]
     except ValueError:
         pass
-    return resp.text[:500]
+    return answer.body[:500].decode("utf-8", "replace")
 
 
 def retry_after_s(value: str | None) -> float | None:
@@ -107,20 +136,44 @@ def honoured_wait_s(retry_after: float) -> float:
     return retry_after * random.uniform(1.0, 1.5)
 
 
-def _check(resp: httpx.Response, *, missing_run_is_transient: bool) -> None:
-    code = resp.status_code
+def _check(answer: Answer, url: str, *, missing_run_is_transient: bool) -> None:
+    code = answer.status_code
     if code < 400:
         return
     if code == 404 and missing_run_is_transient:
-        raise RunNotFound(f"{code} from {resp.request.url}: {_detail(resp)}")
+        raise RunNotFound(f"{code} from {url}: {_detail(answer)}")
     if code >= 500 or code == 429:
         raise ServerUnavailable(
-            f"{code} from {resp.request.url}: {_detail(resp)}",
-            retry_after_s=retry_after_s(resp.headers.get("retry-after")),
+            f"{code} from {url}: {_detail(answer)}",
+            retry_after_s=retry_after_s(answer.retry_after),
         )
     if code == 413:
-        raise PayloadTooLarge(_detail(resp))
-    raise ServerRejected(code, _detail(resp))
+        raise PayloadTooLarge(_detail(answer))
+    raise ServerRejected(code, _detail(answer))
+
+
+def _proxy_for(server: str) -> str | None:
+    """The proxy the environment routes `server` through (`HTTP_PROXY` / `HTTPS_PROXY` /
+    `ALL_PROXY`, less `NO_PROXY`), or None."""
+    parts = urlsplit(server)
+    if parts.hostname is None or urllib.request.proxy_bypass(parts.netloc):
+        return None
+    proxies = urllib.request.getproxies()
+    return proxies.get(parts.scheme) or proxies.get("all") or None
+
+
+def _pool(server: str, timeout_s: float) -> tuple[Any, str]:
+    """The connection pool to `server` (one connection, kept alive), and what to put
+    before a request's path: the server's own path prefix, or for a proxy the whole URL."""
+    common: dict[str, Any] = {
+        "retries": False,  # tenacity retries, with the Retry-After rules above
+        "timeout": urllib3.Timeout(connect=timeout_s, read=timeout_s),
+        "maxsize": 1,
+    }
+    proxy = _proxy_for(server)
+    if proxy is not None:
+        return urllib3.ProxyManager(proxy, num_pools=1, **common), server
+    return urllib3.connection_from_url(server, **common), urlsplit(server).path
 
 
 class _StopAtDeadline(tenacity.stop.stop_base):
@@ -161,6 +214,9 @@ class _WaitHonouringRetryAfter(tenacity.wait.wait_base):
         return float(self._backoff(retry_state))
 
 
+_EVENTS_HEADERS = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+
+
 class IngestClient:
     """Blocking client of one server; used from the shipper thread and by `upload`."""
 
@@ -183,7 +239,8 @@ class IngestClient:
         self.timeout_s = timeout_s
         #: time.monotonic() after which no request starts and none outlasts it (at close).
         self.deadline: float | None = None
-        self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout_s)
+        self._headers = headers
+        self._http, self._prefix = _pool(self.server, timeout_s)
         self._retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(max(attempts, 1))
             | _StopAtDeadline(self)
@@ -199,18 +256,27 @@ class IngestClient:
     def _past_deadline(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
-    def _post(self, path: str, *, missing_run_is_transient: bool, **kw: Any) -> httpx.Response:
+    def _post(
+        self, path: str, *, missing_run_is_transient: bool, content: bytes, headers: dict[str, str]
+    ) -> Answer:
         timeout = self.timeout_s
         if self.deadline is not None:
             timeout = min(timeout, self.deadline - time.monotonic())
             if timeout <= 0:
                 raise ServerUnavailable("out of time (closing)")
+        url = self._prefix + path
         try:
-            resp = self._http.post(path, timeout=timeout, **kw)
-        except httpx.HTTPError as e:  # connect refused, timeouts, protocol errors
+            resp = self._http.urlopen(
+                "POST", url, body=content, headers={**self._headers, **headers},
+                timeout=urllib3.Timeout(connect=timeout, read=timeout),
+                retries=False, redirect=False, decode_content=False,
+            )  # fmt: skip
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            # Refused, timed out, closed mid-answer: the server is not there for now.
             raise ServerUnavailable(f"{type(e).__name__}: {e}") from e
-        _check(resp, missing_run_is_transient=missing_run_is_transient)
-        return resp
+        answer = Answer(resp.status, resp.headers.get("retry-after"), resp.data)
+        _check(answer, self.server + path, missing_run_is_transient=missing_run_is_transient)
+        return answer
 
     def create_run(self, run_create: bytes) -> None:
         """POST the RunCreate JSON (idempotent on run_id)."""
@@ -227,21 +293,25 @@ class IngestClient:
         kw: dict[str, Any] = {
             "missing_run_is_transient": True,
             "content": gz_body,
-            "headers": {"Content-Type": "application/json", "Content-Encoding": "gzip"},
+            "headers": _EVENTS_HEADERS,
         }
         path = f"/api/v1/runs/{run_id}/events"
-        resp = self._retrying(self._post, path, **kw) if retry else self._post(path, **kw)
+        answer = self._retrying(self._post, path, **kw) if retry else self._post(path, **kw)
         try:
-            body = resp.json()
+            body = answer.json()
             return IngestResult(int(body.get("accepted", 0)), int(body.get("duplicates", 0)))
         except (ValueError, AttributeError, TypeError):
             return IngestResult(0, 0)
 
     def close(self) -> None:
-        self._http.close()
+        if isinstance(self._http, urllib3.PoolManager):
+            self._http.clear()
+        else:
+            self._http.close()
 
 
 __all__ = [
+    "Answer",
     "IngestClient",
     "IngestError",
     "IngestResult",

@@ -1,5 +1,10 @@
 """Events to wire JSON and back: one compact JSON object per event, gzip per batch.
 
+The batch is compressed with zlib-ng (zlib's API and formats, the inflater the server
+uses too) at level 2: on stage-3 step events that is 2.5x less CPU than the standard
+library's `gzip.compress` at level 1 and 9% fewer bytes (70 against 177 us and 7.2 against
+7.9 KiB for 20 events, one core, in-process). The shipper runs it beside training.
+
 Non-finite floats are never written (the server forbids them): the step assembler turns
 them into None plus a `nonfinite` flag and run.log drops them. `dumps` (the standard
 library's encoder) refuses what slipped through rather than sending invalid JSON; `encode`,
@@ -11,11 +16,11 @@ the batch, naming the field.
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
 from typing import Any
 
 import orjson
+from zlib_ng import zlib_ng
 
 from zerowatch import events as ev
 
@@ -67,6 +72,10 @@ def _number(value: Any) -> Any:
     raise TypeError(f"cannot encode {type(value).__name__} as JSON")
 
 
+#: zlib's window bits for the gzip format (header and CRC-32 trailer).
+_GZIP = 31
+
+
 def batch_body(run_id: str, event_lines: list[bytes]) -> bytes:
     """The gzip-compressed EventBatch body built from already-encoded events."""
     head = b'{"schema_version":%d,"run_id":%s,"events":[' % (
@@ -74,8 +83,7 @@ def batch_body(run_id: str, event_lines: list[bytes]) -> bytes:
         json.dumps(run_id).encode(),
     )
     raw = head + b",".join(event_lines) + b"]}"
-    # Level 1: a third of level 5's CPU (it runs beside training) for ~20% more bytes.
-    return gzip.compress(raw, compresslevel=1)
+    return zlib_ng.compress(raw, 2, wbits=_GZIP)
 
 
 __all__ = ["batch_body", "dumps", "encode", "to_dict"]

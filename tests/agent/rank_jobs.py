@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import httpx
+import urllib3
 from support.engine_scenarios import TINY, ds_config, make_model, micro_batches
 from zerowatch.agent.spool import Spool
 
@@ -107,7 +107,10 @@ class TrainingThreadIO:
     def install(self, setattr_: Any = setattr) -> None:
         """Wrap the methods (for good in a rank's process; pytest's monkeypatch.setattr
         undoes it after a test)."""
-        for owner, name, what in ((httpx.Client, "send", "http"), (Spool, "append", "spool")):
+        for owner, name, what in (
+            (urllib3.HTTPConnectionPool, "urlopen", "http"),
+            (Spool, "append", "spool"),
+        ):
             setattr_(owner, name, self._counted(getattr(owner, name), what))
 
     def _counted(self, fn: Any, what: str) -> Any:

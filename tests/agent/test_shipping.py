@@ -88,6 +88,7 @@ def test_server_answering_500_costs_training_nothing_and_loses_nothing(
     # Every request and spool write ran on the shipper thread, none on the training loop; a
     # synchronous POST (with its retry waits) would also add >= 0.1 s to some step.
     assert training_thread_io.on_training_thread == {}
+    assert training_thread_io.elsewhere["http"] >= 1  # (the count sees the client's requests)
     assert max(with_agent) < 0.1
     assert wait_for(lambda: run.stats["spooled"] >= 29)  # all but the open step, on disk
     server.mode = "ok"  # the server recovers before the end: the spool is replayed
