@@ -620,9 +620,10 @@ def stage_choice(e: Evidence, s: DoctorSettings) -> list[Finding]:
     fits = {True: "fits", None: "device capacity unknown"}.get(best.fits, "does not fit")
     c = predict.contention(m)
     shared = (f" This run's steps took {c:.2f}x the CPU time its threads used outside the "
-              f"collective waits ({fmt_seconds(m.step_time_s)} a step measured): another "
-              "process shared its cores; the times here are for the host to itself."
-              if c > 1 + s.stage_choice_min_gain else "")  # fmt: skip
+              f"collective waits ({fmt_seconds(m.step_time_s)} a step measured): its threads "
+              "were off the CPU for other reasons (another process on its cores, or the job "
+              "sleeping or waiting on I/O inside its steps); the times here are for the "
+              "host to itself." if c > 1 + s.stage_choice_min_gain else "")  # fmt: skip
     lead = best.change.describe()
     if not short and not fast:
         lead = (f"No layout is predicted {_pct(s.stage_choice_min_gain)} faster; the leanest, "

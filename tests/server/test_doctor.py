@@ -251,7 +251,7 @@ def test_a_run_that_shared_its_cores_is_told_so_and_judged_on_its_own_work(
     run_id = _store(db, dataclasses.replace(SPEC, stage=3), mutate=comm_bound,
                     engine_info={"device": "cpu"})  # fmt: skip
     (f,) = [f for f in _found(db, run_id) if f["kind"] == "stage_choice"]
-    assert "another process shared its cores" in f["message"]
+    assert "another process on its cores" in f["message"]
     basis = f["prediction"]["basis"]
     assert basis["contention"] == pytest.approx(2.0, rel=0.05)
     assert basis["step_time_uncontended_s"] == pytest.approx(
