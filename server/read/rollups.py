@@ -51,11 +51,11 @@ from typing import Any
 
 import numpy as np
 import orjson
-from sqlalchemy import Connection, and_, delete, func, select, text, tuple_
+from sqlalchemy import Connection, bindparam, delete, func, select, text, tuple_
 from zerowatch.server import models as m
 from zerowatch.server.db import Database
 from zerowatch.server.read import fresh
-from zerowatch.server.read.vocabulary import rank_table
+from zerowatch.server.read.vocabulary import rank_table, steps_with_collectives
 from zerowatch.server.read_gate import ReadGate, request_view
 
 from zerowatch import events as ev
@@ -297,12 +297,15 @@ def _columns_from_rows(
     json_cols = {"phases", "parts", "offload", "memory", "scalars"}
     out: dict[int, fresh.StepColumns] = {}
     query = select(*(s[n] for n in STEP_COLS)).where(s.run == pk, s.step.in_(chunk))
-    coll_query = select(*(c[n] for n in _COLL_COLS)).where(
-        c.run == pk, c.op.in_(ev.COLLECTIVE_OPS), c.step.in_(chunk)
+    # Through the steps rows: the collectives' own key is (run, rank, seq, op).
+    coll_query = (
+        select(*(c[n] for n in _COLL_COLS))
+        .select_from(steps_with_collectives())
+        .where(s.run == pk, s.step.in_(chunk), c.op.in_(ev.COLLECTIVE_OPS))
     )
     if ranks is not None:
         query = query.where(s.rank.in_(ranks))
-        coll_query = coll_query.where(c.rank.in_(ranks))
+        coll_query = coll_query.where(s.rank.in_(ranks))
     newest: dict[tuple[int, int], dict[str, Any]] = {}
     for raw in _raw_rows(conn, query):
         r = dict(zip(STEP_COLS, raw, strict=True))
@@ -854,17 +857,21 @@ class Compactor:
 
 
 def _delete_rank_rows(conn: Connection, pk: int, steps: list[int]) -> int:
+    """Delete the per-rank rows of `steps`: each rank-step's collectives rows first, by
+    their primary key (the keys read from the steps' (run, step) index), then the steps."""
+    s, c = m.steps.c, m.collectives.c
     n = 0
     for i in range(0, len(steps), _CHUNK):
         chunk = steps[i : i + _CHUNK]
-        n += conn.execute(
-            delete(m.steps).where(m.steps.c.run == pk, m.steps.c.step.in_(chunk))
-        ).rowcount
-        for op in ev.COLLECTIVE_OPS:  # the (run, op, step) index, one op at a time
-            c = m.collectives.c
+        keys = conn.execute(select(s.rank, s.seq).where(s.run == pk, s.step.in_(chunk))).all()
+        if keys:
             conn.execute(
-                delete(m.collectives).where(and_(c.run == pk, c.op == op, c.step.in_(chunk)))
+                delete(m.collectives).where(
+                    c.run == pk, c.rank == bindparam("r"), c.seq == bindparam("q")
+                ),
+                [{"r": rank, "q": seq} for rank, seq in keys],
             )
+        n += conn.execute(delete(m.steps).where(s.run == pk, s.step.in_(chunk))).rowcount
         conn.execute(delete(m.spans).where(m.spans.c.run == pk, m.spans.c.step.in_(chunk)))
     return n
 

@@ -10,6 +10,8 @@ import statistics
 import time
 
 import pytest
+from sqlalchemy import select
+from zerowatch.server import models as m
 from zerowatch.server import store
 from zerowatch.server.db import Database
 from zerowatch.server.read import rollups
@@ -224,3 +226,32 @@ def test_a_read_without_live_steps_gives_the_stored_rollups_alone(db: Database) 
         current = rollups.read(conn, pk, ["step_time_s"])["step_time_s"]
     assert [st.n for st in stored.values()] == [2, 2, 2]
     assert [st.n for st in current.values()] == [3, 3, 3]
+
+
+def test_retention_thins_old_rank_rows_with_their_collectives_and_keeps_every_rollup(
+    db: Database,
+) -> None:
+    """Retention (full_steps 10, every 5) over 30 steps: the per-rank rows of steps 0-19
+    not on the every-5th grid go, each step's collectives and spans with them, steps 20-29
+    keep all; the rollups keep every step, equal to those computed before the thinning."""
+    spec = simulate.SimSpec(world_size=4, stage=3, spans_every=1)
+    rc = simulate.run_create(spec)
+    pk, _ = store.create_run(db, run=rc)
+    for evs in simulate.steps(spec, 30):
+        store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, evs))
+    compactor = rollups.Compactor(db, retention=rollups.Retention(full_steps=10, every=5))
+    assert compactor.flush() == 30
+    with db.read() as conn:
+        before = rollups.read(conn, pk, ["step_time_s", "collective.all_gather.latency_s"])
+    assert compactor.apply_retention() == 4 * 16  # steps 1-4, 6-9, 11-14, 16-19 of 4 ranks
+    kept = [s for s in range(30) if s >= 20 or s % 5 == 0]
+    with db.read() as conn:
+        steps = conn.execute(select(m.steps.c.rank, m.steps.c.seq, m.steps.c.step)).all()
+        colls = conn.execute(select(m.collectives.c.rank, m.collectives.c.seq)).all()
+        spans = conn.execute(select(m.spans.c.step)).scalars().all()
+        after = rollups.read(conn, pk, ["step_time_s", "collective.all_gather.latency_s"])
+    assert sorted({s for _, _, s in steps}) == kept and len(steps) == 4 * len(kept)
+    ops = len({c.op for c in simulate.step_event(spec, 0, 0).collectives})
+    assert sorted(colls) == sorted((r, q) for r, q, _ in steps for _ in range(ops))
+    assert sorted(set(spans)) == kept
+    assert after == before and sorted(after["step_time_s"]) == list(range(30))
