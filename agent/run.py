@@ -96,18 +96,27 @@ class Run:
         Raises:
             TypeError: a value is not a real number (the message names the key).
         """
-        clean = {str(k): _as_number(k, v) for k, v in scalars.items()}
+        # One pass (it runs on the training thread every step): plain floats and ints
+        # without the checks of anything else.
+        clean: dict[str, float] = {}
+        nonfinite: list[tuple[str, float]] = []
+        isfinite = math.isfinite
+        for key, value in scalars.items():
+            kind = type(value)
+            number = float(value) if kind is float or kind is int else _as_number(key, value)
+            if isfinite(number) or key == "loss":  # a non-finite loss flags the step
+                clean[key] = number
+            else:
+                nonfinite.append((key, number))
         if self.closed:
             return
-        for key, value in list(clean.items()):
-            if not math.isfinite(value) and key != "loss":  # a non-finite loss flags the step
-                del clean[key]
-                self._health.warn_once(
-                    f"nonfinite:{key}",
-                    "zerowatch: run.log(%s=%r): non-finite values are not stored",
-                    key,
-                    value,
-                )
+        for key, value in nonfinite:
+            self._health.warn_once(
+                f"nonfinite:{key}",
+                "zerowatch: run.log(%s=%r): non-finite values are not stored",
+                key,
+                value,
+            )
         try:
             self._recorder.log(clean)
         except Exception as e:

@@ -179,6 +179,8 @@ class CollectiveAggregator:
 
     def sample_next(self, on: bool) -> None:
         """Keep raw spans for the step now starting."""
+        if not on and self._window.spans is None:  # (most steps: nothing to change, no lock)
+            return
         with self._lock:
             self._window.spans = [] if on else None
 

@@ -30,6 +30,8 @@ class OffloadProbe:
         self._max_spans = max_spans
 
     def sample_next(self, on: bool) -> None:
+        if not on and self._spans is None:  # (most steps: nothing to change, no lock)
+            return
         with self._lock:
             self._spans = [] if on else None
 

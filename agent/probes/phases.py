@@ -314,6 +314,9 @@ class PhaseTimer:
         self.push = self.log.append
         #: Start marks of the phases open at the end of the log, per phase index.
         self._open: list[list[Any]] = [[] for _ in self.codes.names]
+        #: Whether any of them holds a start (read at every step's end and start instead of
+        #: looking at each list: between the engine's kernels every list is a cache miss).
+        self._any_open = False
 
     def start(self, phase: str, t: float) -> None:
         code = self.codes.start.get(phase)
@@ -339,12 +342,7 @@ class PhaseTimer:
                 0))` returns them); on CUDA they are resolved when the marks are ready.
         """
         # (Phases carried over from the last window take the long way.)
-        if (
-            self._on_host
-            and step_start is not None
-            and step_end is not None
-            and not any(self._open)
-        ):
+        if self._on_host and step_start is not None and step_end is not None and not self._any_open:
             log = self.log
             n = len(log) & ~1  # (whole boundaries: code, mark)
             resolved = _pair_resolved(self.codes, log, n, float(step_start), float(step_end))
@@ -360,6 +358,7 @@ class PhaseTimer:
         log = self.log
         n = len(log)
         intervals, edges = _pair_open(self.codes, log[:n], open_)
+        self._any_open = any(open_)
         del log[:n]
         return PhaseWindow(self.clock, self.codes, intervals, edges)
 
@@ -372,7 +371,7 @@ class PhaseTimer:
         recorder resets the timer at each step's start); a phase still open at the step's
         end is not carried over (the next `reset` would forget it). Otherwise this is
         `take()`."""
-        if not self._on_host or any(self._open):
+        if not self._on_host or self._any_open:
             return self.take(step_start, step_end)
         # The log itself goes with the window and a new one takes its place: no copy. (A
         # slice would touch every mark's float to count a reference, and between the
@@ -386,8 +385,10 @@ class PhaseTimer:
 
     def reset(self) -> None:
         del self.log[:]
-        for stack in self._open:
-            stack.clear()
+        if self._any_open:
+            for stack in self._open:
+                stack.clear()
+            self._any_open = False
 
 
 def _pair_resolved(
