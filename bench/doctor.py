@@ -114,6 +114,8 @@ def _base(url: str, a: argparse.Namespace, stage: str) -> list[tuple[float, floa
         now_step, now_state = _measured(url, base_id)
         base_steps.append(now_step)
         found = httpx.get(f"{url}/api/v1/runs/{base_id}/findings", timeout=30).json()
+        if r == 0:
+            _print_counted_calls(url, base_id)
         preds: list[dict[str, Any]] = []
         for f in found["findings"]:
             if r == 0:
@@ -161,6 +163,23 @@ def _base(url: str, a: argparse.Namespace, stage: str) -> list[tuple[float, floa
               f"{state / 2**20:>7.2f}Mi {em:>+6.0%}{runs}")  # fmt: skip
     _summary(errs)
     return errs
+
+
+def _print_counted_calls(url: str, run_id: str) -> None:
+    """The calls a step of each stage makes at the run's bucket size, as the engine counted
+    them at initialization (engine_info["collective_calls"]), which the predictions use."""
+    info = httpx.get(f"{url}/api/v1/runs/{run_id}", timeout=30).json().get("engine_info") or {}
+    table = info.get("collective_calls")
+    if not table:
+        print("collective calls: not counted by the engine (predictions from bytes alone)")
+        return
+    at = table["bucket_sizes"].index(table["reduce_bucket_size"])
+    by_stage = "; ".join(
+        f"stage {st}: " + ", ".join(f"{op} {calls[at]}" for op, calls in sorted(ops.items()))
+        for st, ops in sorted(table["calls"].items())
+    )
+    print(f"collective calls a step as the engine counts them (reduce_bucket_size "
+          f"{table['reduce_bucket_size']:,}): {by_stage}")  # fmt: skip
 
 
 def _summary(errs: list[tuple[float, float]], prefix: str = "") -> None:

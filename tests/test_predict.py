@@ -160,3 +160,101 @@ def test_contention_is_one_without_the_clocks_or_where_they_explain_the_step() -
     assert predict.uncontended(dataclasses.replace(m, device="cuda")).step_time_s == 0.100
     assert predict.predict(dataclasses.replace(m, thread_cpu_s=None),
                            predict.Change(stage=3, offload_optimizer=True)).step_time_s > 0.1  # fmt: skip
+
+
+def _table(own: int, sizes: list[int], calls: dict[int, dict[str, list[int]]]) -> dict:
+    """engine_info as the bundled engine sends it (engine/counts.py)."""
+    return {"collective_calls": {"world_size": N, "gradient_accumulation_steps": 1,
+                                 "reduce_bucket_size": own, "bucket_sizes": sizes,
+                                 "calls": {str(st): ops for st, ops in calls.items()}}}  # fmt: skip
+
+
+def test_counted_calls_are_read_from_engine_info_and_looked_up_by_bucket_size() -> None:
+    info = _table(1000, [256, 512, 1000, 1024], {1: {"reduce_scatter": [9, 5, 3, 3]}})
+    counted = predict.CountedCalls.from_engine_info(info)
+    assert counted is not None
+    assert counted.at(1) == {"reduce_scatter": 3.0}  # the run's own size
+    assert counted.at(1, 700) == {"reduce_scatter": 5.0}  # the largest size not above
+    assert counted.at(1, 10**9) == {"reduce_scatter": 3.0}
+    assert counted.at(1, 100) is None and counted.at(2) is None
+    for bad in ({}, {"collective_calls": {"bucket_sizes": [1]}}, None,
+                _table(1, [2, 1], {1: {"all_reduce": [1, 1]}}),
+                _table(1, [1, 2], {1: {"all_reduce": [1]}})):  # fmt: skip
+        assert predict.CountedCalls.from_engine_info(bad) is None
+
+
+def _counted(m: predict.Measured, calls: dict[int, dict[str, list[int]]],
+             sizes: list[int] | None = None, own: int = 1000) -> predict.Measured:  # fmt: skip
+    info = _table(own, sizes or [own], calls)
+    return dataclasses.replace(m, counted_calls=predict.CountedCalls.from_engine_info(info))
+
+
+def test_with_counted_calls_a_layout_is_priced_by_its_calls_and_bytes() -> None:
+    """β is the best bus bandwidth of the run (all_gather's 400 MB/s); each op's seconds
+    beyond its bytes at β are its calls' latency: all_gather none, reduce-scatter (10 - 2e6 /
+    4e8 = 5 ms) / 4 calls = 1.25 ms a call. Stage 3 now: 4 x 1.25 + 6 MB / 4e8 = 20 ms (the
+    measured). Stage 1 as counted, 2 reduce-scatters, 2 all-gathers and the norm's
+    all-reduce (the median α, 0.625 ms): 2.5 + 0 + 0.625 + 4 MB / 4e8 = 13.125 ms, against
+    15 ms by the bytes alone. Exposed 8 x 13.125 / 20 = 5.25 ms, overlap 0.3 x 13.125:
+
+        50 - 8 - 6 + 5.25 + 3.9375 = 45.1875 ms"""
+    m = _counted(stage3_on_cpu(), {3: {"all_gather": [8], "reduce_scatter": [4]},
+                                   1: {"all_gather": [2], "reduce_scatter": [2],
+                                       "all_reduce": [1]}})  # fmt: skip
+    got = predict.predict(m, predict.Change(stage=1))
+    assert got.basis["comm_s_now"] == pytest.approx(0.020)
+    assert got.basis["comm_s_new"] == pytest.approx(0.013125)
+    assert got.step_time_s == pytest.approx(0.0451875)
+
+
+def test_a_layout_that_makes_more_calls_is_predicted_slower_than_its_bytes_say() -> None:
+    base = stage3_on_cpu()
+    bytes_only = predict.predict(base, predict.Change(stage=1)).step_time_s
+    many = _counted(base, {3: {"all_gather": [8], "reduce_scatter": [4]},
+                           1: {"all_gather": [40], "reduce_scatter": [40], "all_reduce": [1]}})  # fmt: skip
+    few = _counted(base, {3: {"all_gather": [8], "reduce_scatter": [4]},
+                          1: {"all_gather": [1], "reduce_scatter": [1], "all_reduce": [1]}})  # fmt: skip
+    assert predict.predict(many, predict.Change(stage=1)).step_time_s > bytes_only
+    assert predict.predict(few, predict.Change(stage=1)).step_time_s < bytes_only
+
+
+def test_a_bucket_size_is_priced_by_the_counted_calls_of_every_op() -> None:
+    """Buckets of 500 elements: 20 all-reduces of the persistent parameters at 1 ms of
+    latency each (20 ms, 20 KB at 1 MB/s of bus bandwidth); at 65,536 the engine counts 2,
+    and its units do not change (no parameter-management change)."""
+    m = stage3_on_cpu(
+        comm_s={"all_gather": 0.010, "reduce_scatter": 0.010, "all_reduce": 0.020},
+        busbw={"all_gather": 4e8, "reduce_scatter": 2e8, "all_reduce": 1e6},
+        calls={"all_gather": 8, "reduce_scatter": 4, "all_reduce": 20},
+        comm_bytes={"all_gather": 8e6, "reduce_scatter": 4e6, "all_reduce": 2e4},
+        comm_phase_host_s=0.004,
+    )
+    table = {3: {"all_gather": [8, 8], "reduce_scatter": [4, 4], "all_reduce": [20, 2]}}
+    m = _counted(m, table, sizes=[500, 65536], own=500)
+    got = predict.predict(m, predict.Change(stage=3, bucket=("reduce_bucket_size", 65536)))
+    alpha, _ = predict.call_costs(m)  # type: ignore[misc]
+    saved = 18 * alpha["all_reduce"]
+    share = m.exposed_comm_s / 0.040
+    rho = 0.006 / 0.040
+    assert got.basis["stage3_management_s_delta"] == 0.0
+    assert got.step_time_s == pytest.approx(0.050 - saved * share - rho * saved)
+    assert got.step_time_s < m.step_time_s
+
+
+def test_stage_3_management_moves_with_its_units_calls() -> None:
+    """Smaller units (more gathers and reduce-scatters) at a smaller bucket: the parameter
+    management (4 ms for 12 unit calls now) grows with them, to 8 ms for 24."""
+    m = _counted(stage3_on_cpu(comm_phase_host_s=0.004),
+                 {3: {"all_gather": [16, 8], "reduce_scatter": [8, 4]}}, sizes=[256, 1000])  # fmt: skip
+    got = predict.predict(m, predict.Change(stage=3, bucket=("reduce_bucket_size", 256)))
+    assert got.basis["stage3_management_s_delta"] == pytest.approx(0.004)
+    assert got.step_time_s > m.step_time_s
+
+
+def test_keys_the_counts_do_not_follow_keep_the_estimate_from_bytes() -> None:
+    m = stage3_on_cpu()
+    counted = _counted(m, {3: {"all_gather": [8], "reduce_scatter": [4]}})
+    change = predict.Change(stage=3, bucket=("stage3_prefetch_bucket_size", 10**6),
+                            bucket_op="all_gather")  # fmt: skip
+    assert predict.predict(counted, change).step_time_s == predict.predict(m, change).step_time_s
+    assert "counted_calls" not in predict.predict(counted, change).basis

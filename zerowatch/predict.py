@@ -17,6 +17,17 @@ between the two configurations come from the model:
   run is priced at `cpu_adam_params_per_s` (not calibrated: the prediction says so);
 - a bucket size changes the number of calls of an op: each call costs the run's measured
   per-call latency (α) plus its bytes at the bandwidth larger messages reached (β);
+- counted calls: the bundled engine counts, at initialization and with its own layout rules,
+  the collective calls each stage makes per step at a range of `reduce_bucket_size` values
+  (engine/counts.py; `engine_info["collective_calls"]`, `CountedCalls` here). Where a run
+  has them, a configuration's communication seconds are its calls times the per-call
+  latency the run measured for that op plus its bytes at the run's best bus bandwidth
+  (`counted_comm_seconds`), instead of its bytes alone: stage 3 gathers every unit twice and
+  cuts units by the module tree, so it makes more calls than its bytes say, and a small
+  bucket makes as many calls as the parameters it splits (a parameter larger than the
+  bucket is a bucket of its own). A bucket-size change is priced with the calls of every op
+  at the new size, and stage 3's parameter management moves with its calls. Runs without
+  the table (DeepSpeed, FSDP2, older agents) are priced by their bytes, as before;
 - the overlap cost: communication that compute "hides" is not free where both run on the
   same cores. On a CPU run the agent measures the CPU time of the rank's threads other than
   the training thread (gloo's communication threads), `other_cpu_s`; with every core of the
@@ -63,6 +74,7 @@ Standard library, theory and plan only.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from dataclasses import dataclass, field, replace
@@ -108,6 +120,55 @@ class Measured:
     #: around the collectives; at stage 3 its parameter management. None: not measured (a
     #: GPU run, an agent without the exclusive parts).
     comm_phase_host_s: float | None = None
+    #: The engine's own count of collective calls per step of each stage and bucket size
+    #: (engine_info["collective_calls"]); None where the engine did not send it.
+    counted_calls: CountedCalls | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CountedCalls:
+    """Collective calls per optimizer step of each stage (0-3) at a range of
+    `reduce_bucket_size` values, as the bundled engine counted them (engine/counts.py)."""
+
+    #: The run's own reduce_bucket_size (elements), and the sizes counted, ascending.
+    reduce_bucket_size: int
+    bucket_sizes: tuple[int, ...]
+    #: stage -> op -> calls per step at each of `bucket_sizes`.
+    calls: dict[int, dict[str, tuple[int, ...]]]
+
+    @classmethod
+    def from_engine_info(cls, info: Any) -> CountedCalls | None:
+        """The table of a run's engine_info (None: absent or not the expected shape)."""
+        raw = info.get("collective_calls") if isinstance(info, dict) else None
+        if not isinstance(raw, dict):
+            return None
+        try:
+            sizes = tuple(int(b) for b in raw["bucket_sizes"])
+            calls = {int(st): {str(op): tuple(int(c) for c in per) for op, per in ops.items()}
+                     for st, ops in raw["calls"].items()}  # fmt: skip
+            own = int(raw["reduce_bucket_size"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+        if (
+            not sizes
+            or list(sizes) != sorted(sizes)
+            or any(len(per) != len(sizes) for ops in calls.values() for per in ops.values())
+        ):
+            return None
+        return cls(reduce_bucket_size=own, bucket_sizes=sizes, calls=calls)
+
+    def at(self, stage: int, bucket: int | None = None) -> dict[str, float] | None:
+        """Calls per op of `stage` with buckets of `bucket` elements (default: the run's):
+        the count at the largest size counted that is not larger (None: stage not counted,
+        or a bucket below every size counted)."""
+        ops = self.calls.get(stage)
+        if ops is None:
+            return None
+        size = self.reduce_bucket_size if bucket is None else bucket
+        i = bisect.bisect_right(self.bucket_sizes, size) - 1
+        if i < 0:
+            return None
+        return {op: float(per[i]) for op, per in ops.items() if per[i] > 0}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,7 +245,12 @@ def _layout_bytes(m: Measured, stage: int, off_opt: bool, off_par: bool) -> floa
 
 
 def _comm_seconds(m: Measured, stage: int) -> float:
-    """Seconds of communication per step of a stage at the run's bandwidth per op."""
+    """Seconds of communication per step of a stage: by its counted calls and bytes where
+    the engine counted them (`counted_comm_seconds`), else its bytes at the run's bandwidth
+    per op."""
+    counted = counted_comm_seconds(m, stage)
+    if counted is not None:
+        return counted
     sizes = theory.comm_bytes_per_step(
         m.num_params, m.world_size, stage, precision=m.precision,
         gradient_accumulation_steps=m.gradient_accumulation_steps,
@@ -197,6 +263,45 @@ def _comm_seconds(m: Measured, stage: int) -> float:
         if not bw:
             return math.nan
         total += theory.comm_traffic_bytes({op: size}, m.world_size) / bw
+    return total
+
+
+def call_costs(m: Measured) -> tuple[dict[str, float], float] | None:
+    """(α per op: the run's measured seconds per call of each op beyond its bytes at β,
+    β: the best bus bandwidth the run reached), or None where the run measured no op.
+    An op's seconds are calls × α + bus bytes / β."""
+    ops = [op for op in m.comm_s if m.calls.get(op, 0) > 0 and m.busbw.get(op, 0) > 0
+           and m.comm_s[op] > 0]  # fmt: skip
+    if not ops:
+        return None
+    beta = max(m.busbw[op] for op in ops)
+    alpha = {op: max(m.comm_s[op] - m.busbw[op] * m.comm_s[op] / beta, 0.0) / m.calls[op]
+             for op in ops}  # fmt: skip
+    return alpha, beta
+
+
+def counted_comm_seconds(m: Measured, stage: int, bucket: int | None = None) -> float | None:
+    """Seconds of communication per step of `stage` (buckets of `bucket` elements; default
+    the run's) from the engine's counted calls: Σ over ops of calls × α(op) + theory's bus
+    bytes / β (`call_costs`; an op the run did not make takes the median α). None without
+    a count or a calibration."""
+    if m.counted_calls is None:
+        return None
+    calls = m.counted_calls.at(stage, bucket)
+    costs = call_costs(m)
+    if calls is None or costs is None:
+        return None
+    alpha, beta = costs
+    fallback = statistics.median(alpha.values())
+    sizes = theory.comm_bytes_per_step(
+        m.num_params, m.world_size, stage, precision=m.precision,
+        gradient_accumulation_steps=m.gradient_accumulation_steps,
+    )  # fmt: skip
+    total = sum(n * alpha.get(op, fallback) for op, n in calls.items())
+    total += (
+        sum(theory.comm_traffic_bytes({op: size}, m.world_size) for op, size in sizes.items())
+        / beta
+    )
     return total
 
 
@@ -254,9 +359,14 @@ def predict(m: Measured, change: Change) -> Prediction:
         if change.bucket_op is None and m.stage == 0 and key == "reduce_bucket_size":
             op = "all_reduce"
         delta, alpha, beta = _bucket_delta(m, op, size)
+        manage = 0.0
+        counted = _counted_bucket_delta(m, key, size)
+        if counted is not None:
+            delta, manage = counted
+            basis.update(counted_calls=1.0, stage3_management_s_delta=manage)
         rho = overlap_cpu_per_comm_s(m, sum(m.comm_s.values()))
         basis.update(alpha_s=alpha, beta_bytes_per_s=beta, overlap_cpu_per_comm_s=rho)
-        step = m.step_time_s + delta * _exposed_share(m) + rho * delta
+        step = m.step_time_s + delta * _exposed_share(m) + rho * delta + manage
         return Prediction(change=change, step_time_s=step, model_state_bytes=m.model_state_bytes,
                           peak_bytes=m.peak_bytes, fits=_fits(m, m.peak_bytes),
                           calibrated=calibrated, basis=basis)  # fmt: skip
@@ -354,6 +464,33 @@ def _bucket_delta(m: Measured, op: str, bucket_elems: int) -> tuple[float, float
     return new_calls * alpha + traffic / beta - secs, alpha, beta
 
 
+def _counted_bucket_delta(m: Measured, key: str, size: int) -> tuple[float, float] | None:
+    """(communication seconds per step added (negative: saved), stage 3's parameter
+    management added) by buckets of `size` elements, from the engine's counted calls of
+    every op at the run's bucket size and at `size`, each call at its op's α
+    (`call_costs`; the bytes do not change). Stage 3's management moves with the calls of
+    its units (gathers and reduce-scatters). None: not counted, or a key the counts do not
+    follow (the bundled engine gathers per reduce bucket: `allgather_bucket_size` and the
+    prefetch size change no call)."""
+    if m.counted_calls is None or key != "reduce_bucket_size":
+        return None
+    now, new = m.counted_calls.at(m.stage), m.counted_calls.at(m.stage, size)
+    costs = call_costs(m)
+    if now is None or new is None or costs is None:
+        return None
+    alpha, _ = costs
+    fallback = statistics.median(alpha.values())
+    delta = sum((new.get(op, 0.0) - now.get(op, 0.0)) * alpha.get(op, fallback)
+                for op in set(now) | set(new))  # fmt: skip
+    manage = 0.0
+    unit_ops = ("all_gather", "reduce_scatter")
+    units_now = sum(now.get(op, 0.0) for op in unit_ops)
+    if units_now > 0:
+        manage_now = stage3_management_s(m)
+        manage = manage_now * sum(new.get(op, 0.0) for op in unit_ops) / units_now - manage_now
+    return delta, manage
+
+
 def candidates(m: Measured) -> list[Change]:
     """Every layout the planner compares that differs from the run's."""
     out = []
@@ -373,10 +510,13 @@ __all__ = [
     "CPU_ADAM_PARAMS_PER_S",
     "HOST_COPY_BYTES_PER_S",
     "Change",
+    "CountedCalls",
     "Measured",
     "Prediction",
+    "call_costs",
     "candidates",
     "contention",
+    "counted_comm_seconds",
     "overlap_cpu_per_comm_s",
     "predict",
     "reference_bandwidth",

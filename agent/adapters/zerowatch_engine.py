@@ -61,6 +61,17 @@ def _finite_or_none(x: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def _engine_info(e: Any) -> dict[str, Any]:
+    """The engine's class and, where it counted them (engine/counts.py), the collective
+    calls each stage makes per step at a range of bucket sizes: the doctor prices other
+    stages and bucket sizes with them."""
+    info: dict[str, Any] = {"class": type(e).__qualname__}
+    calls = getattr(e, "collective_calls", None)
+    if isinstance(calls, dict):
+        info["collective_calls"] = calls
+    return info
+
+
 class ZeroWatchEngineAdapter:
     """zerowatch.engine.ZeroEngine -> EngineAdapter."""
 
@@ -106,7 +117,7 @@ class ZeroWatchEngineAdapter:
                 gradient_accumulation_steps=ga,
                 persistent_params=persistent,
             ),
-            engine_info={"class": type(e).__qualname__},
+            engine_info=_engine_info(e),
             global_step=int(getattr(e, "global_steps", 0) or 0),
         )
 

@@ -269,6 +269,7 @@ def measured(e: Evidence) -> predict.Measured | None:
         zero_config=dict(config.get("zero_optimization") or {}),
         thread_cpu_s=e.median("thread_cpu_s"), other_cpu_s=e.median("other_cpu_s"),
         comm_phase_host_s=_comm_phase_host_s(e, exposed),
+        counted_calls=predict.CountedCalls.from_engine_info(run.get("engine_info")),
     )  # fmt: skip
 
 

@@ -362,3 +362,31 @@ def test_a_4096_rank_run_answers_in_well_under_a_second(db: Database) -> None:
     assert elapsed < 0.5, elapsed
     (f,) = [f for f in found if f["kind"] == "straggler"]
     assert f["ranks"] == [3001]
+
+
+def test_a_run_whose_engine_counted_its_calls_is_priced_by_them(db: Database) -> None:
+    """The bundled engine's engine_info carries the calls each stage makes per step
+    (engine/counts.py): the doctor reads them, and a stage that makes many more calls is
+    predicted slower than its bytes alone say; a run without them keeps the bytes model."""
+    spec = dataclasses.replace(SPEC, stage=3)
+    calls = {"0": {"all_reduce": [400]}, "1": {"reduce_scatter": [400], "all_gather": [400],
+             "all_reduce": [1]}, "2": {"reduce_scatter": [400], "all_gather": [400],
+             "all_reduce": [1]}, "3": {"all_gather": [20], "reduce_scatter": [10],
+             "all_reduce": [2]}}  # fmt: skip
+    table = {"world_size": 8, "gradient_accumulation_steps": 1, "reduce_bucket_size": 1000,
+             "bucket_sizes": [1000], "calls": calls}  # fmt: skip
+    plain = _store(db, spec, engine_info={"device": "cpu"})
+    counted = _store(db, spec, engine_info={"device": "cpu", "collective_calls": table})
+    assert _measured(db, plain).counted_calls is None
+    m = _measured(db, counted)
+    assert m.counted_calls is not None and m.counted_calls.at(1) == {
+        "reduce_scatter": 400.0, "all_gather": 400.0, "all_reduce": 1.0}  # fmt: skip
+
+    def stage1(run_id: str) -> dict:
+        (f,) = [f for f in _found(db, run_id) if f["kind"] == "stage_choice"]
+        (c,) = [c for c in f["evidence"]["candidates"] if c["config"] == {
+            "zero_optimization": {"stage": 1}}]  # fmt: skip
+        return c
+
+    assert stage1(counted)["step_time_s"] > stage1(plain)["step_time_s"]
+    assert stage1(counted)["basis"]["comm_s_new"] > stage1(plain)["basis"]["comm_s_new"]

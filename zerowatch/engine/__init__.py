@@ -6,6 +6,7 @@ concept each: comm (the only caller of torch.distributed collectives), phases (t
 announcer of phase boundaries), flat (segments), params_replicated / params_sharded
 (parameter owners), reducers (gradient reducers), stages (which parts make each stage),
 optim (master weights and the step), precision (loss scaling), schedulers, checkpoint,
+counts (the collective calls each stage makes per step, counted at initialization),
 engine (the facade).
 
 Importing this package imports nothing of the engine: the names below load on first use

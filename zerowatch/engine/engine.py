@@ -34,6 +34,7 @@ from zerowatch.config import ConfigError, ZeroWatchConfig
 from zerowatch.engine import checkpoint as _checkpoint
 from zerowatch.engine import gathered as _gathered
 from zerowatch.engine.comm import Comm
+from zerowatch.engine.counts import collective_calls
 from zerowatch.engine.flat import Segment, Slot
 from zerowatch.engine.hooks import ObserverRegistry
 from zerowatch.engine.optim import MasterWeights, StepStats, build_optimizer, state_tensors
@@ -149,6 +150,11 @@ class ZeroEngine:
                     t.data = t.data.to(self.dtype)
         self._broadcast_initial_state()
 
+        #: Collective calls per step of every stage at a range of bucket sizes (counts.py),
+        #: counted before stage 3 empties the parameters; the agent sends it to the doctor.
+        self.collective_calls = collective_calls(
+            module, params, zc, world_size=self.world_size,
+            gradient_accumulation_steps=int(self.gradient_accumulation_steps))  # fmt: skip
         self.parts = compose(self.zero_stage, module, params, zc, self.comm, self.phases,
                              device=self.device, dtype=self.dtype)  # fmt: skip
         # Called by destroy(), or when this engine is collected: it holds the parts, not
