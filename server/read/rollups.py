@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import operator
 import threading
 import time
 from collections import defaultdict
@@ -55,7 +56,7 @@ from sqlalchemy import Connection, bindparam, delete, func, select, text, tuple_
 from zerowatch.server import models as m
 from zerowatch.server.db import Database
 from zerowatch.server.read import fresh
-from zerowatch.server.read.vocabulary import rank_table, steps_with_collectives
+from zerowatch.server.read.vocabulary import rank_table_of_columns, steps_with_collectives
 from zerowatch.server.read_gate import ReadGate, request_view
 
 from zerowatch import events as ev
@@ -290,12 +291,15 @@ def _columns_from_rows(
     conn: Connection, pk: int, chunk: list[int], *, ranks: list[int] | None = None
 ) -> dict[int, fresh.StepColumns]:
     """The StepColumns of a chunk of steps (of some `ranks` only, when given) from their rows;
-    a step without rows is absent."""
+    a step without rows is absent.
+
+    The rows stay the driver's tuples: sorted by (step, rank, seq), a rank's newest row of a
+    step is the last, the JSON columns are decoded a column at a time, and the metrics of
+    the whole chunk come from one `rank_table_of_columns` (cut by step afterwards), with
+    the collectives' histograms and latency sums added up per step and op in numpy."""
     if not chunk:
         return {}
     s, c = m.steps.c, m.collectives.c
-    json_cols = {"phases", "parts", "offload", "memory", "scalars"}
-    out: dict[int, fresh.StepColumns] = {}
     query = select(*(s[n] for n in STEP_COLS)).where(s.run == pk, s.step.in_(chunk))
     # Through the steps rows: the collectives' own key is (run, rank, seq, op).
     coll_query = (
@@ -306,44 +310,96 @@ def _columns_from_rows(
     if ranks is not None:
         query = query.where(s.rank.in_(ranks))
         coll_query = coll_query.where(s.rank.in_(ranks))
-    newest: dict[tuple[int, int], dict[str, Any]] = {}
-    for raw in _raw_rows(conn, query):
-        r = dict(zip(STEP_COLS, raw, strict=True))
-        key = (r["step"], r["rank"])
-        if key not in newest or r["seq"] > newest[key]["seq"]:
-            newest[key] = r
-    colls: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
-    for raw in _raw_rows(conn, coll_query):
-        cr = dict(zip(_COLL_COLS, raw, strict=True))
-        colls[(cr["rank"], cr["seq"])].append(cr)
-    per_step: dict[int, list[tuple[int, dict[str, Any], Any]]] = defaultdict(list)
-    # Per step and op: the ranks' histogram buckets and latency sums, added up below.
-    hists: dict[int, dict[str, tuple[list[Any], list[float]]]] = defaultdict(dict)
-    for (step, rank), r in sorted(newest.items()):
-        for col in json_cols:
-            r[col] = _json(r[col])
-        cs = colls.get((rank, r["seq"]), ())
-        per_step[step].append((rank, r, cs))
-        for cr in cs:
-            h = hists[step].get(cr["op"])
-            if h is None:
-                h = hists[step][cr["op"]] = ([], [])
-            h[0].append(_json(cr["buckets"])[:N_BUCKETS])
-            h[1].append(cr["latency_sum_s"])
-    for step, rows in per_step.items():
-        counts: dict[str, np.ndarray] = {}
-        sums: dict[str, list[float]] = {}
-        for op, (buckets, lats) in hists[step].items():
-            total = counts[op] = np.zeros(N_BUCKETS, dtype=np.int64)
-            for b in buckets:  # a short list (an old row) counts what it has
-                total[: len(b)] += b
-            sums[op] = lats
+    rows = _raw_rows(conn, query)
+    if not rows:
+        return {}
+    rows.sort(key=_STEP_RANK_SEQ)
+    # The newest row of each (step, rank): a key keeps its first place and its last value.
+    newest = list({(r[_STEP], r[_RANK]): r for r in rows}.values())
+    n = len(newest)
+    by_position: list[Sequence[Any]] = list(zip(*newest, strict=True))
+    for j in _JSON_AT:
+        by_position[j] = _json_column(by_position[j])
+    steps = np.array(by_position[_STEP], dtype=np.int64)
+    rank_steps = {(r[_RANK], r[_SEQ]): i for i, r in enumerate(newest)}
+    # Each collectives row with the rank-step it belongs to (rows of older seqs: none).
+    coll_rows = [
+        (i, cr) for cr in _raw_rows(conn, coll_query)
+        if (i := rank_steps.get((cr[0], cr[1]))) is not None
+    ]  # fmt: skip
+    at = np.array([i for i, _ in coll_rows], dtype=np.int64)
+    coll_position: list[Sequence[Any]] | None = (
+        list(zip(*(cr for _, cr in coll_rows), strict=True)) if coll_rows else None
+    )
+    if coll_position is not None:
+        coll_position[_BUCKETS] = _json_column(coll_position[_BUCKETS])
+    table = rank_table_of_columns(
+        n,
+        lambda name: by_position[_STEP_AT[name]],
+        at,
+        (lambda name: coll_position[_COLL_AT[name]]) if coll_position is not None else None,
+    )
+    bounds = np.flatnonzero(np.diff(steps)) + 1
+    starts = [0, *bounds.tolist()]
+    ends = [*bounds.tolist(), n]
+    rank_of = np.array(by_position[_RANK], dtype=np.int64)
+    hists = _step_hists(coll_position, at, steps) if coll_position is not None else {}
+    out: dict[int, fresh.StepColumns] = {}
+    for a, b in zip(starts, ends, strict=True):
+        step = int(steps[a])
+        cut = {name: col[a:b] for name, col in table.items()}
+        counts, sums = hists.get(step, ({}, {}))
         out[step] = fresh.StepColumns(
-            np.array([rank for rank, _, _ in rows], dtype=np.int64),
-            rank_table([r for _, r, _ in rows], [cs for _, _, cs in rows]),
+            rank_of[a:b],
+            {name: col for name, col in cut.items() if not np.isnan(col).all()},
             counts,
             sums,
         )
+    return out
+
+
+_STEP_AT = {name: i for i, name in enumerate(STEP_COLS)}
+_COLL_AT = {name: i for i, name in enumerate(_COLL_COLS)}
+_STEP, _RANK, _SEQ = _STEP_AT["step"], _STEP_AT["rank"], _STEP_AT["seq"]
+_STEP_RANK_SEQ = operator.itemgetter(_STEP, _RANK, _SEQ)
+_JSON_AT = [_STEP_AT[name] for name in ("phases", "parts", "offload", "memory", "scalars")]
+_BUCKETS = _COLL_AT["buckets"]
+
+
+def _json_column(values: Sequence[Any]) -> list[Any]:
+    """A JSON column as the driver gave it, decoded (see `_json`)."""
+    if all(type(v) is str for v in values):
+        try:
+            return list(map(orjson.loads, values))
+        except orjson.JSONDecodeError:
+            pass
+    return [_json(v) for v in values]
+
+
+def _step_hists(
+    coll_position: list[Sequence[Any]], at: np.ndarray, steps: np.ndarray
+) -> dict[int, tuple[dict[str, np.ndarray], dict[str, list[float]]]]:
+    """Per step and op: the latency histogram summed over the step's rows (a short bucket
+    list, from an old row, counts what it has) and every row's latency sum."""
+    buckets = coll_position[_BUCKETS]
+    if all(len(b) == N_BUCKETS for b in buckets):
+        counts = np.array(buckets, dtype=np.int64).reshape(len(buckets), N_BUCKETS)
+    else:
+        counts = np.zeros((len(buckets), N_BUCKETS), dtype=np.int64)
+        for j, b in enumerate(buckets):
+            b = b[:N_BUCKETS]
+            counts[j, : len(b)] = b
+    ops = np.array(coll_position[_COLL_AT["op"]], dtype=object)
+    lats = coll_position[_COLL_AT["latency_sum_s"]]
+    row_steps = steps[at]
+    out: dict[int, tuple[dict[str, np.ndarray], dict[str, list[float]]]] = {}
+    for op in dict.fromkeys(ops.tolist()):
+        is_op = ops == op
+        for step in np.unique(row_steps[is_op]).tolist():
+            sel = np.flatnonzero(is_op & (row_steps == step))
+            hist, sums = out.setdefault(int(step), ({}, {}))
+            hist[op] = counts[sel].sum(axis=0)
+            sums[op] = [lats[j] for j in sel.tolist()]
     return out
 
 

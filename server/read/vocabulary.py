@@ -293,9 +293,23 @@ def rank_table(
     compactor calls it with a step's thousands of rows: each column is converted to an
     array once, and the keyed maps (phases, parts, memory) of rank-steps with the same keys
     in one block, instead of one Python operation per value."""
-    n = len(rows)
+    flat = [c for cs in colls for c in cs]
+    at = np.array([i for i, cs in enumerate(colls) for _ in cs], dtype=np.int64)
+    return rank_table_of_columns(
+        len(rows), _columns(rows, row_index), at, _columns(flat, coll_index) if flat else None
+    )
+
+
+def rank_table_of_columns(
+    n: int,
+    column: Callable[[str], Sequence[Any]],
+    at: np.ndarray,
+    coll: Callable[[str], Sequence[Any]] | None,
+) -> dict[str, np.ndarray]:
+    """`rank_table` of n rank-steps given by columns: `column(name)` a steps column over the
+    rank-steps (JSON columns decoded), `coll(name)` a collectives column over their rows
+    (None: no rows), `at[j]` the rank-step of collectives row j."""
     t = _Table(n)
-    column = _columns(rows, row_index)
     for name in _PLAIN:
         t.cols[name] = _floats(column(name))
     busy = np.array(column("step_time_s"), dtype=float) - np.array(
@@ -331,10 +345,7 @@ def rank_table(
                 total[~have] = np.nan
                 t.cols["memory.state"] = total
     # Every collectives row of every rank-step at once; `at` is the rank-step of each.
-    flat = [c for cs in colls for c in cs]
-    if flat:
-        at = np.array([i for i, cs in enumerate(colls) for _ in cs], dtype=np.int64)
-        coll = _columns(flat, coll_index)
+    if coll is not None:
         ops = coll("op")
         lat_all = np.array(coll("latency_sum_s"), dtype=float)
         count_all = np.array(coll("count"), dtype=float)
