@@ -189,22 +189,36 @@ def _counted(m: predict.Measured, calls: dict[int, dict[str, list[int]]],
     return dataclasses.replace(m, counted_calls=predict.CountedCalls.from_engine_info(info))
 
 
-def test_with_counted_calls_a_layout_is_priced_by_its_calls_and_bytes() -> None:
-    """β is the best bus bandwidth of the run (all_gather's 400 MB/s); each op's seconds
-    beyond its bytes at β are its calls' latency: all_gather none, reduce-scatter (10 - 2e6 /
-    4e8 = 5 ms) / 4 calls = 1.25 ms a call. Stage 3 now: 4 x 1.25 + 6 MB / 4e8 = 20 ms (the
-    measured). Stage 1 as counted, 2 reduce-scatters, 2 all-gathers and the norm's
-    all-reduce (the median α, 0.625 ms): 2.5 + 0 + 0.625 + 4 MB / 4e8 = 13.125 ms, against
-    15 ms by the bytes alone. Exposed 8 x 13.125 / 20 = 5.25 ms, overlap 0.3 x 13.125:
+def test_with_counted_calls_a_layout_is_priced_by_its_calls() -> None:
+    """Each call costs what the run measured a call of its op to take: all_gather 10 ms / 8
+    = 1.25 ms, reduce-scatter 10 / 4 = 2.5 ms (stage 3 now: 8 x 1.25 + 4 x 2.5 = 20 ms, the
+    measured). Stage 1 as counted: 2 all-gathers, 2 reduce-scatters (messages of 2 MB
+    against 1 MB now: within the size factor) and the norm's all-reduce, an op the run did
+    not make (the median, 1.875 ms): 2.5 + 5 + 1.875 = 9.375 ms, against 15 ms by the bytes
+    alone. Exposed 8 x 9.375 / 20 = 3.75 ms, overlap 0.3 x 9.375:
 
-        50 - 8 - 6 + 5.25 + 3.9375 = 45.1875 ms"""
+        50 - 8 - 6 + 3.75 + 2.8125 = 42.5625 ms"""
     m = _counted(stage3_on_cpu(), {3: {"all_gather": [8], "reduce_scatter": [4]},
                                    1: {"all_gather": [2], "reduce_scatter": [2],
                                        "all_reduce": [1]}})  # fmt: skip
     got = predict.predict(m, predict.Change(stage=1))
     assert got.basis["comm_s_now"] == pytest.approx(0.020)
-    assert got.basis["comm_s_new"] == pytest.approx(0.013125)
-    assert got.step_time_s == pytest.approx(0.0451875)
+    assert got.basis["comm_s_new"] == pytest.approx(0.009375)
+    assert got.step_time_s == pytest.approx(0.0425625)
+
+
+def test_an_ops_latency_does_not_price_calls_of_much_larger_messages() -> None:
+    """A stage-1 run's one all-reduce is the gradient norm (4 bytes; 5 ms: mostly waiting for
+    the other rank); stage 0 all-reduces 4 MB in 2 buckets. Those calls take the median of
+    the run's other ops (all_gather 1.25 ms, reduce_scatter 2.5 ms: 1.875 ms), not 5 ms."""
+    m = stage3_on_cpu(
+        stage=1, comm_s={"all_gather": 0.010, "reduce_scatter": 0.010, "all_reduce": 0.005},
+        busbw={"all_gather": 4e8, "reduce_scatter": 2e8, "all_reduce": 1e3},
+        calls={"all_gather": 8, "reduce_scatter": 4, "all_reduce": 1},
+        comm_bytes={"all_gather": 8e6, "reduce_scatter": 4e6, "all_reduce": 4},
+    )  # fmt: skip
+    m = _counted(m, {0: {"all_reduce": [2]}})
+    assert predict.counted_comm_seconds(m, 0) == pytest.approx(2 * 0.001875)
 
 
 def test_a_layout_that_makes_more_calls_is_predicted_slower_than_its_bytes_say() -> None:

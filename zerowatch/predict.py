@@ -20,14 +20,17 @@ between the two configurations come from the model:
 - counted calls: the bundled engine counts, at initialization and with its own layout rules,
   the collective calls each stage makes per step at a range of `reduce_bucket_size` values
   (engine/counts.py; `engine_info["collective_calls"]`, `CountedCalls` here). Where a run
-  has them, a configuration's communication seconds are its calls times the per-call
-  latency the run measured for that op plus its bytes at the run's best bus bandwidth
-  (`counted_comm_seconds`), instead of its bytes alone: stage 3 gathers every unit twice and
-  cuts units by the module tree, so it makes more calls than its bytes say, and a small
-  bucket makes as many calls as the parameters it splits (a parameter larger than the
-  bucket is a bucket of its own). A bucket-size change is priced with the calls of every op
-  at the new size, and stage 3's parameter management moves with its calls. Runs without
-  the table (DeepSpeed, FSDP2, older agents) are priced by their bytes, as before;
+  has them, a configuration's communication seconds are its counted calls of each op times
+  the run's measured seconds per call of that op (`counted_comm_seconds`; an op whose
+  messages grow more than CALL_SIZE_FACTOR times, or that the run did not make, takes the
+  median of the others), instead of its bytes at the run's bandwidth: stage 3 gathers every
+  unit twice and cuts units by the module tree, so it makes more calls than its bytes say,
+  and a small bucket makes as many calls as the parameters it splits (a parameter larger
+  than the bucket is a bucket of its own). A `reduce_bucket_size` change within the stage
+  is priced with the counted calls of every op at the new size, each at its op's α
+  (`call_costs`: what a call costs beyond its bytes at the run's best bus bandwidth, the
+  bytes being the same), and stage 3's parameter management moves with its units' calls.
+  Runs without the table (DeepSpeed, FSDP2, older agents) are priced by their bytes, as before;
 - the overlap cost: communication that compute "hides" is not free where both run on the
   same cores. On a CPU run the agent measures the CPU time of the rank's threads other than
   the training thread (gloo's communication threads), `other_cpu_s`; with every core of the
@@ -280,28 +283,45 @@ def call_costs(m: Measured) -> tuple[dict[str, float], float] | None:
     return alpha, beta
 
 
+#: An op's measured seconds per call price another configuration's calls of that op only
+#: while their messages are at most this many times larger (a stage-1 run's all-reduce is
+#: the gradient norm's 4 bytes; stage 0 all-reduces whole buckets).
+CALL_SIZE_FACTOR = 4.0
+
+
+def call_latencies(m: Measured) -> dict[str, float]:
+    """The run's measured seconds per call of each op it made (its latency, bytes included,
+    at its own message size and overlap)."""
+    return {op: s / m.calls[op] for op, s in m.comm_s.items()
+            if m.calls.get(op, 0) > 0 and s > 0}  # fmt: skip
+
+
 def counted_comm_seconds(m: Measured, stage: int, bucket: int | None = None) -> float | None:
     """Seconds of communication per step of `stage` (buckets of `bucket` elements; default
-    the run's) from the engine's counted calls: Σ over ops of calls × α(op) + theory's bus
-    bytes / β (`call_costs`; an op the run did not make takes the median α). None without
-    a count or a calibration."""
+    the run's) from the engine's counted calls: Σ over ops of calls × the run's measured
+    seconds per call of that op (`call_latencies`). An op the run did not make, or whose
+    messages there are more than CALL_SIZE_FACTOR times the run's (theory's bytes over the
+    counted calls), takes the median of the run's other ops. None without a count or a
+    measured op."""
     if m.counted_calls is None:
         return None
     calls = m.counted_calls.at(stage, bucket)
-    costs = call_costs(m)
-    if calls is None or costs is None:
+    latency = call_latencies(m)
+    if calls is None or not latency:
         return None
-    alpha, beta = costs
-    fallback = statistics.median(alpha.values())
     sizes = theory.comm_bytes_per_step(
         m.num_params, m.world_size, stage, precision=m.precision,
         gradient_accumulation_steps=m.gradient_accumulation_steps,
     )  # fmt: skip
-    total = sum(n * alpha.get(op, fallback) for op, n in calls.items())
-    total += (
-        sum(theory.comm_traffic_bytes({op: size}, m.world_size) for op, size in sizes.items())
-        / beta
-    )
+    fallback = statistics.median(latency.values())
+    total = 0.0
+    for op, n in calls.items():
+        per_call = latency.get(op, fallback)
+        mine = _message_bytes(m, op)
+        if op in latency and mine is not None and sizes.get(op, 0) / n > CALL_SIZE_FACTOR * mine:
+            others = [v for o, v in latency.items() if o != op]
+            per_call = statistics.median(others) if others else per_call
+        total += n * per_call
     return total
 
 
@@ -507,6 +527,7 @@ def candidates(m: Measured) -> list[Change]:
 
 
 __all__ = [
+    "CALL_SIZE_FACTOR",
     "CPU_ADAM_PARAMS_PER_S",
     "HOST_COPY_BYTES_PER_S",
     "Change",
@@ -514,6 +535,7 @@ __all__ = [
     "Measured",
     "Prediction",
     "call_costs",
+    "call_latencies",
     "candidates",
     "contention",
     "counted_comm_seconds",
