@@ -83,6 +83,7 @@ PLANNER_STATS = (
     ("steps", "steps", "1000000000 100000 1000 1"),
     ("steps", "ix_steps_run_step", "1000000000 100000 100"),
     ("collectives", "collectives", "1000000000 100000 1000 1 1 1"),
+    ("collectives", "ix_collectives_run_op_step", "1000000000 100000 50000 100"),
     ("spans", "ix_spans_run_step", "1000000 10000 100"),
     ("step_rollups", "step_rollups", "100000000 1000000 20000 1"),
 )

@@ -172,10 +172,10 @@ class Collective(Base):
     busbw: Mapped[float] = mapped_column(Float)
     async_count: Mapped[int] = mapped_column(BigInteger)
 
-    # No index of its own: every read finds a rank-step's rows by this primary key, from
-    # the steps rows it picked by their (run, step) index (a second B-tree to update was
-    # a tenth of the server's ingest CPU on SQLite; migration 0005).
-    __table_args__ = ({"sqlite_with_rowid": False},)
+    __table_args__ = (
+        Index("ix_collectives_run_op_step", "run", "op", "step"),
+        {"sqlite_with_rowid": False},
+    )
 
 
 class SpanSet(Base):

@@ -52,11 +52,11 @@ from typing import Any
 
 import numpy as np
 import orjson
-from sqlalchemy import Connection, bindparam, delete, func, select, text, tuple_
+from sqlalchemy import Connection, and_, delete, func, select, text, tuple_
 from zerowatch.server import models as m
 from zerowatch.server.db import Database
 from zerowatch.server.read import fresh
-from zerowatch.server.read.vocabulary import rank_table_of_columns, steps_with_collectives
+from zerowatch.server.read.vocabulary import rank_table_of_columns
 from zerowatch.server.read_gate import ReadGate, request_view
 
 from zerowatch import events as ev
@@ -301,15 +301,12 @@ def _columns_from_rows(
         return {}
     s, c = m.steps.c, m.collectives.c
     query = select(*(s[n] for n in STEP_COLS)).where(s.run == pk, s.step.in_(chunk))
-    # Through the steps rows: the collectives' own key is (run, rank, seq, op).
-    coll_query = (
-        select(*(c[n] for n in _COLL_COLS))
-        .select_from(steps_with_collectives())
-        .where(s.run == pk, s.step.in_(chunk), c.op.in_(ev.COLLECTIVE_OPS))
+    coll_query = select(*(c[n] for n in _COLL_COLS)).where(
+        c.run == pk, c.op.in_(ev.COLLECTIVE_OPS), c.step.in_(chunk)
     )
     if ranks is not None:
         query = query.where(s.rank.in_(ranks))
-        coll_query = coll_query.where(s.rank.in_(ranks))
+        coll_query = coll_query.where(c.rank.in_(ranks))
     rows = _raw_rows(conn, query)
     if not rows:
         return {}
@@ -913,21 +910,17 @@ class Compactor:
 
 
 def _delete_rank_rows(conn: Connection, pk: int, steps: list[int]) -> int:
-    """Delete the per-rank rows of `steps`: each rank-step's collectives rows first, by
-    their primary key (the keys read from the steps' (run, step) index), then the steps."""
-    s, c = m.steps.c, m.collectives.c
     n = 0
     for i in range(0, len(steps), _CHUNK):
         chunk = steps[i : i + _CHUNK]
-        keys = conn.execute(select(s.rank, s.seq).where(s.run == pk, s.step.in_(chunk))).all()
-        if keys:
+        n += conn.execute(
+            delete(m.steps).where(m.steps.c.run == pk, m.steps.c.step.in_(chunk))
+        ).rowcount
+        for op in ev.COLLECTIVE_OPS:  # the (run, op, step) index, one op at a time
+            c = m.collectives.c
             conn.execute(
-                delete(m.collectives).where(
-                    c.run == pk, c.rank == bindparam("r"), c.seq == bindparam("q")
-                ),
-                [{"r": rank, "q": seq} for rank, seq in keys],
+                delete(m.collectives).where(and_(c.run == pk, c.op == op, c.step.in_(chunk)))
             )
-        n += conn.execute(delete(m.steps).where(s.run == pk, s.step.in_(chunk))).rowcount
         conn.execute(delete(m.spans).where(m.spans.c.run == pk, m.spans.c.step.in_(chunk)))
     return n
 

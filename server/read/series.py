@@ -136,19 +136,15 @@ def rank_rows(
 ) -> list[tuple[int, int, Any]]:
     """Tuples (rank, step, value) of one metric, in step order within each rank."""
     expr = vocabulary.step_expr(metric) if not metric.startswith("collective.") else None
-    t = m.steps.c
     if expr is not None:
+        t = m.steps.c
         q = select(t.rank, t.step, expr.label("v")).where(t.run == pk, expr.is_not(None))
     else:
-        # A collective's rows are found through their steps rows: the steps' (run, step)
-        # index picks the rank-steps, then each one's rows by the collectives' primary key
-        # (run, rank, seq, op) (the collectives keep no index of their own: see models.py).
         op, agg = vocabulary.collective_expr(metric)
-        c = m.collectives.c
+        t = m.collectives.c
         q = (
             select(t.rank, func.max(t.step).label("step"), agg.label("v"))
-            .select_from(vocabulary.steps_with_collectives())
-            .where(t.run == pk, c.op == op)
+            .where(t.run == pk, t.op == op)
             .group_by(t.rank, t.seq)
         )
     conds = []

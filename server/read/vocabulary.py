@@ -31,7 +31,7 @@ from itertools import chain
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Float, and_, cast, func
+from sqlalchemy import Float, cast, func
 from zerowatch.server import models as m
 
 from zerowatch import events as ev
@@ -158,14 +158,6 @@ def step_expr(metric: str) -> Any:
     raise UnknownMetric(
         f"unknown metric {metric!r}; see GET /api/v1/runs/{{run_id}}/metrics-catalog"
     )
-
-
-def steps_with_collectives() -> Any:
-    """The steps joined to their collectives rows. The collectives keep no index of their
-    own: a read picks rank-steps by the steps' indexes ((run, step) or (run, rank, seq))
-    and finds each one's rows by the collectives' primary key (run, rank, seq, op)."""
-    s, c = m.steps.c, m.collectives.c
-    return m.steps.join(m.collectives, and_(c.run == s.run, c.rank == s.rank, c.seq == s.seq))
 
 
 def collective_expr(metric: str) -> tuple[str, Any]:
