@@ -78,20 +78,28 @@ class PgArray(bytes):
         return obj
 
 
-#: Element kinds: (PostgreSQL element type, numpy big-endian dtype or None for text).
-_KINDS: dict[str, tuple[str, str | None]] = {
-    "float8": ("float8", ">f8"),
-    "int8": ("int8", ">i8"),
-    "int4": ("int4", ">i4"),
-    "bool": ("bool", "?"),
-    "text": ("text", None),
-    "json": ("json", None),
+@dataclasses.dataclass(frozen=True)
+class _Kind:
+    """How one column's values go to the database: `to` makes a value the column's Python
+    type (psycopg types an array by its elements and refuses a list that mixes int and
+    float, or bool and int); on PostgreSQL, `dtype` packs it (big-endian numpy; None: text
+    or JSON), and the element and array oids name its type (PostgreSQL's fixed catalogue
+    numbers)."""
+
+    to: Callable[[Any], Any]
+    dtype: str | None
+    elem_oid: int
+    array_oid: int
+
+
+_KINDS = {
+    "float8": _Kind(float, ">f8", 701, 1022),
+    "int8": _Kind(int, ">i8", 20, 1016),
+    "int4": _Kind(int, ">i4", 23, 1007),
+    "bool": _Kind(bool, "?", 16, 1000),
+    "text": _Kind(str, None, 25, 1009),
+    "json": _Kind(json_text, None, 114, 199),
 }
-#: (element oid, array oid) of each kind: PostgreSQL's fixed catalogue numbers.
-_OIDS = {
-    "float8": (701, 1022), "int8": (20, 1016), "int4": (23, 1007), "bool": (16, 1000),
-    "text": (25, 1009), "json": (114, 199),
-}  # fmt: skip
 _HEADER = struct.Struct(">iiiii")  # dimensions, has NULLs, element oid, length, lower bound
 _LENGTH = struct.Struct(">i").pack
 _NULL = _LENGTH(-1)
@@ -108,8 +116,7 @@ def pg_array(kind: str, values: Sequence[Any]) -> PgArray:
         OverflowError / ValueError / TypeError: a value does not fit the kind (the caller
             lets psycopg's dumper refuse it in its own words).
     """
-    elem, dtype = _KINDS[kind]
-    elem_oid, array_oid = _OIDS[elem]
+    dtype = _KINDS[kind].dtype
     n = len(values)
     if dtype is None:
         data = [json_bytes(v) for v in values] if kind == "json" else values
@@ -129,13 +136,10 @@ def pg_array(kind: str, values: Sequence[Any]) -> PgArray:
         width = np.dtype(dtype).itemsize
         nulls = None in values
         filled = [0 if v is None else v for v in values] if nulls else values
-        if kind == "int4":
-            wide = np.array(filled, dtype=np.int64)
-            if n and (wide.min() < _INT4[0] or wide.max() > _INT4[1]):
+        if kind in ("int4", "int8"):
+            column = np.array(filled, dtype=np.int64)  # OverflowError beyond 64 bits
+            if kind == "int4" and n and (column.min() < _INT4[0] or column.max() > _INT4[1]):
                 raise OverflowError("a value does not fit int4")
-            column = wide
-        elif kind == "int8":
-            column = np.array(filled, dtype=np.int64)
         elif kind == "bool":
             column = np.array([bool(v) for v in filled], dtype=bool)
         else:
@@ -152,10 +156,12 @@ def pg_array(kind: str, values: Sequence[Any]) -> PgArray:
             body = rec.view(np.uint8).reshape(n, 4 + width)[keep].tobytes()
         else:
             body = rec.tobytes()
-    return PgArray(_HEADER.pack(1, has_null, elem_oid, n, 1) + body, array_oid)
+    k = _KINDS[kind]
+    return PgArray(_HEADER.pack(1, has_null, k.elem_oid, n, 1) + body, k.array_oid)
 
 
-def _pg_kind(column_type: Any) -> str:
+def _kind(column_type: Any) -> str:
+    """The key of `_KINDS` of a SQLAlchemy column type."""
     if isinstance(column_type, JSON):
         return "json"
     if isinstance(column_type, Float):
@@ -212,17 +218,7 @@ class TupleInsert:
         self.columns = tuple(columns)
         self.dialect = dialect
         table = stmt.table
-        # Each column's values made its column's Python type: psycopg types an array by
-        # its elements and refuses a list that mixes int and float (or bool and int).
-        self._json = [isinstance(table.c[c].type, JSON) for c in self.columns]
-        self._as: list[Callable[[Any], Any]] = [
-            json_text if isinstance(t, JSON)
-            else float if isinstance(t, Float)
-            else bool if isinstance(t, Boolean)
-            else int if isinstance(t, Integer)
-            else str
-            for t in (table.c[c].type for c in self.columns)
-        ]  # fmt: skip
+        self._kinds = [_kind(table.c[c].type) for c in self.columns]
         d = postgresql.dialect() if dialect == "postgresql" else sqlite.dialect()
         compiled = stmt.compile(dialect=d, column_keys=list(self.columns))
         text = str(compiled)
@@ -234,7 +230,6 @@ class TupleInsert:
                 f"CAST(%({c})b AS {table.c[c].type.compile(dialect=d)}[])" for c in self.columns
             )
             self._pg_sql = f"{head} SELECT * FROM unnest({arrays}){tail}"
-            self._kinds = [_pg_kind(table.c[c].type) for c in self.columns]
             self._constants = {k: v for k, v in compiled.params.items() if k not in self.columns}
         else:
             self._head, self._tail = head + " VALUES ", tail
@@ -251,20 +246,20 @@ class TupleInsert:
             return []
         if self.dialect == "postgresql":
             params: dict[str, Any] = dict(self._constants)
-            for c, kind, to, is_json, values in zip(
-                self.columns, self._kinds, self._as, self._json, zip(*rows, strict=True),
-                strict=True,
-            ):  # fmt: skip
+            for c, kind, values in zip(
+                self.columns, self._kinds, zip(*rows, strict=True), strict=True
+            ):
                 try:
                     params[c] = pg_array(kind, values)
                 except (OverflowError, ValueError, TypeError):
-                    if is_json:  # JSON: None is the JSON null, not SQL NULL
+                    to = _KINDS[kind].to
+                    if kind == "json":  # JSON: None is the JSON null, not SQL NULL
                         params[c] = [to(v) for v in values]
                     else:
                         params[c] = [None if v is None else to(v) for v in values]
             result = conn.exec_driver_sql(self._pg_sql, params)
             return list(result) if result.returns_rows else []
-        json_at = [i for i, j in enumerate(self._json) if j]
+        json_at = [i for i, kind in enumerate(self._kinds) if kind == "json"]
         if json_at:
             cells: list[list[Any]] = [list(row) for row in rows]
             for cell in cells:

@@ -19,9 +19,9 @@ kind serves it. The smaller records (memory, offload, spans) stay the dataclasse
 store serialises. msgspec is stricter than pydantic's lax mode (it refuses `1.0` for an
 int, `1` for a bool), never laxer, so a body it decodes is one the route accepts, with the
 same values; the JSON the route refuses that msgspec would read is screened first (a NUL
-in a string, a run of 19 digits: an integer that may not fit 64 bits). Anything msgspec refuses, or a batch that
-holds an end event (one per rank per run), takes the route's path, which says what is
-wrong in its own words. tests/server/test_ingest_fast_path.py holds the two decoders to the
+in a string, a run of 19 digits: an integer that may not fit 64 bits). Anything msgspec
+refuses, or a batch that holds an end event (one per rank per run), takes the route's
+path, which says what is wrong in its own words. tests/server/test_ingest_fast_path.py holds the two decoders to the
 same answer over valid, edge and invalid bodies.
 
 Anything else falls through to the FastAPI route with the request exactly as it came (the
