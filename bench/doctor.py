@@ -180,6 +180,10 @@ def _print_counted_calls(url: str, run_id: str) -> None:
     )
     print(f"collective calls a step as the engine counts them (reduce_bucket_size "
           f"{table['reduce_bucket_size']:,}): {by_stage}")  # fmt: skip
+    rehearsed = table.get("stage3_management_s")
+    if rehearsed is not None:
+        print(f"stage 3's parameter management as the engine timed it at initialization "
+              f"(engine/rehearsal.py): {rehearsed * 1e3:.2f} ms a step")  # fmt: skip
 
 
 def _summary(errs: list[tuple[float, float]], prefix: str = "") -> None:

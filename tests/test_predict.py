@@ -272,3 +272,33 @@ def test_keys_the_counts_do_not_follow_keep_the_estimate_from_bytes() -> None:
                             bucket_op="all_gather")  # fmt: skip
     assert predict.predict(counted, change).step_time_s == predict.predict(m, change).step_time_s
     assert "counted_calls" not in predict.predict(counted, change).basis
+
+
+def test_a_run_below_stage_3_prices_the_management_the_engine_rehearsed() -> None:
+    """A stage-1 run has not measured stage 3's parameter management; the engine timed it on
+    the job's parameters at initialization (engine/rehearsal.py: 2 ms here). A prediction up
+    to stage 3 adds it, one to stage 2 does not, and a GPU run prices none (its host runs
+    ahead of the device)."""
+    calls = {1: {"all_gather": [2], "reduce_scatter": [2], "all_reduce": [1]},
+             2: {"all_gather": [2], "reduce_scatter": [2], "all_reduce": [1]},
+             3: {"all_gather": [8], "reduce_scatter": [4]}}  # fmt: skip
+    info = _table(1000, [1000], calls)
+    info["collective_calls"]["stage3_management_s"] = 0.002
+    s1 = dataclasses.replace(
+        stage3_on_cpu(stage=1, comm_phase_host_s=-0.001),
+        counted_calls=predict.CountedCalls.from_engine_info(info),
+    )
+    plain = dataclasses.replace(s1, counted_calls=_counted(s1, calls).counted_calls)
+    to3 = predict.predict(s1, predict.Change(stage=3))
+    assert to3.basis["stage3_management_s_new"] == pytest.approx(0.002)
+    assert to3.step_time_s == pytest.approx(
+        predict.predict(plain, predict.Change(stage=3)).step_time_s + 0.002
+    )
+    to2 = predict.predict(s1, predict.Change(stage=2))
+    assert to2.step_time_s == predict.predict(plain, predict.Change(stage=2)).step_time_s
+    gpu = dataclasses.replace(s1, device="cuda")
+    assert predict.predict(gpu, predict.Change(stage=3)).basis["stage3_management_s_new"] == 0.0
+    for bad in (-1.0, "x", float("nan")):
+        info["collective_calls"]["stage3_management_s"] = bad
+        counted = predict.CountedCalls.from_engine_info(info)
+        assert counted is not None and counted.stage3_management_s is None

@@ -138,6 +138,10 @@ class CountedCalls:
     bucket_sizes: tuple[int, ...]
     #: stage -> op -> calls per step at each of `bucket_sizes`.
     calls: dict[int, dict[str, tuple[int, ...]]]
+    #: Seconds per step of stage 3's parameter management at the run's bucket size, as the
+    #: engine timed it on the job's parameters at initialization (engine/rehearsal.py;
+    #: None: not timed: a GPU, an engine before it).
+    stage3_management_s: float | None = None
 
     @classmethod
     def from_engine_info(cls, info: Any) -> CountedCalls | None:
@@ -152,13 +156,17 @@ class CountedCalls:
             own = int(raw["reduce_bucket_size"])
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
+        manage = raw.get("stage3_management_s")
+        if not isinstance(manage, int | float) or not math.isfinite(manage) or manage < 0:
+            manage = None
         if (
             not sizes
             or list(sizes) != sorted(sizes)
             or any(len(per) != len(sizes) for ops in calls.values() for per in ops.values())
         ):
             return None
-        return cls(reduce_bucket_size=own, bucket_sizes=sizes, calls=calls)
+        return cls(reduce_bucket_size=own, bucket_sizes=sizes, calls=calls,
+                   stage3_management_s=None if manage is None else float(manage))  # fmt: skip
 
     def at(self, stage: int, bucket: int | None = None) -> dict[str, float] | None:
         """Calls per op of `stage` with buckets of `bucket` elements (default: the run's):
@@ -410,7 +418,8 @@ def predict(m: Measured, change: Change) -> Prediction:
     overlap_now = rho * comm_now
     overlap_new = rho * comm_new if not math.isnan(comm_new) else overlap_now
     manage_now = stage3_management_s(m)
-    manage_new = manage_now if st == 3 else 0.0
+    manage_new = manage_now if m.stage == 3 else rehearsed_management_s(m)
+    manage_new = manage_new if st == 3 else 0.0
     step = (m.step_time_s - m.exposed_comm_s - m.optimizer_s - copies_now - overlap_now
             - manage_now + exposed_new + opt_new + copies_new + overlap_new
             + manage_new)  # fmt: skip
@@ -442,6 +451,18 @@ def stage3_management_s(m: Measured) -> float:
     if m.stage != 3 or m.device != "cpu" or m.comm_phase_host_s is None:
         return 0.0
     return max(m.comm_phase_host_s, 0.0)
+
+
+def rehearsed_management_s(m: Measured) -> float:
+    """Seconds per step of stage 3's parameter management for a run below stage 3: what
+    the engine timed on the job's parameters at initialization (engine/rehearsal.py: the
+    pool, the parameter views, the staging copies, the gradient hooks, nothing
+    communicated; the fastest of its passes, so already the least disturbed by other work);
+    0 on a GPU and where the engine did not time it."""
+    cc = m.counted_calls
+    if m.device != "cpu" or cc is None or cc.stage3_management_s is None:
+        return 0.0
+    return cc.stage3_management_s
 
 
 def _exposed_share(m: Measured) -> float:
@@ -542,6 +563,7 @@ __all__ = [
     "overlap_cpu_per_comm_s",
     "predict",
     "reference_bandwidth",
+    "rehearsed_management_s",
     "stage3_management_s",
     "uncontended",
 ]
