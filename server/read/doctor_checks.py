@@ -349,6 +349,12 @@ def latency_bound_collectives(e: Evidence, s: DoctorSettings) -> list[Finding]:
         key = _BUCKET_KEYS[op]
         if op == "all_gather" and stage == 3:
             key = "stage3_prefetch_bucket_size"
+        if m is not None and m.counted_calls is not None:
+            # The bundled engine (it counted its calls) gathers per reduce bucket and per
+            # stage-3 unit, both cut by reduce_bucket_size: the key that makes its messages
+            # larger, and the one its counts price (allgather_bucket_size and the prefetch
+            # size change no call there).
+            key = "reduce_bucket_size"
         p = theory.PARAM_BYTES.get(str(e.run.get("precision")), 4)
         now = ((e.run.get("config") or {}).get("zero_optimization") or {}).get(key)
         new = math.ceil(ref["message_bytes"] / p)

@@ -390,3 +390,26 @@ def test_a_run_whose_engine_counted_its_calls_is_priced_by_them(db: Database) ->
 
     assert stage1(counted)["step_time_s"] > stage1(plain)["step_time_s"]
     assert stage1(counted)["basis"]["comm_s_new"] > stage1(plain)["basis"]["comm_s_new"]
+
+
+def test_the_bundled_engine_is_told_the_bucket_key_that_sets_its_gathers(db: Database) -> None:
+    """Many small all-gathers at stage 3: a run of the bundled engine (it counted its calls)
+    gathers per unit, cut by reduce_bucket_size, so that is the key to raise (and the counts
+    price it); another engine is told the prefetch bucket size, as before."""
+    spec = dataclasses.replace(SPEC, stage=3)
+
+    def small(e: ev.StepEvent) -> ev.StepEvent:
+        return dataclasses.replace(e, collectives=[
+            _many_small("all_gather", 200, 64 << 10, 1e9),
+            _many_small("reduce_scatter", 4, 64 << 20, 20e9),
+        ])  # fmt: skip
+
+    calls = {"3": {"all_gather": [200, 8], "reduce_scatter": [4, 4]}}
+    table = {"world_size": 8, "gradient_accumulation_steps": 1, "reduce_bucket_size": 1000,
+             "bucket_sizes": [1000, 10**6], "calls": calls}  # fmt: skip
+    for info, key in (({"device": "cpu", "collective_calls": table}, "reduce_bucket_size"),
+                      ({"device": "cpu"}, "stage3_prefetch_bucket_size")):  # fmt: skip
+        found = _found(db, _store(db, spec, mutate=small, engine_info=info))
+        (f,) = [f for f in found if f["kind"] == "latency_bound_collectives"]
+        assert list(f["prediction"]["config"]["zero_optimization"]) == [key]
+        assert f["prediction"]["step_time_s"] < f["prediction"]["step_time_now_s"]
