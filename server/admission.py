@@ -116,6 +116,11 @@ class Admission:
         return self._rate
 
 
+#: Set in the scope of a request already admitted in front of the middleware (the ingest
+#: fast path, server/ingest_path.py, which hands the route what it does not store itself).
+ADMITTED = "zerowatch.admitted"
+
+
 class AdmissionMiddleware:
     """Sheds agents' POSTs past `Admission.max_pending` with 503 + Retry-After (see module)."""
 
@@ -128,21 +133,37 @@ class AdmissionMiddleware:
             scope["type"] != "http"
             or scope.get("method") != "POST"
             or not _INGEST_PATH.match(scope.get("path", ""))
+            or scope.get(ADMITTED)
         ):
             await self.app(scope, receive, send)
             return
-        wait_s = self.admission.try_admit()
-        if wait_s is not None:
-            await _busy(send, wait_s, self.admission)
-            return
-        admitted = time.monotonic()
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.admission.release(time.monotonic() - admitted)
+        await admitted(self.admission, self.app, scope, receive, send)
 
 
-async def _busy(send: Any, wait_s: int, admission: Admission) -> None:
+async def admitted(
+    admission: Admission,
+    app: Any,
+    scope: Any,
+    receive: Any,
+    send: Any,
+    headers: tuple[tuple[bytes, bytes], ...] = (),
+) -> None:
+    """Run `app` on the request if `admission` takes it, else answer 503 + Retry-After
+    (with `headers` besides its own)."""
+    wait_s = admission.try_admit()
+    if wait_s is not None:
+        await _busy(send, wait_s, admission, headers)
+        return
+    start = time.monotonic()
+    try:
+        await app(scope, receive, send)
+    finally:
+        admission.release(time.monotonic() - start)
+
+
+async def _busy(
+    send: Any, wait_s: int, admission: Admission, headers: tuple[tuple[bytes, bytes], ...] = ()
+) -> None:
     body = json.dumps(
         {
             "detail": f"the server is busy: {admission.pending} ingest requests in hand "
@@ -160,10 +181,11 @@ async def _busy(send: Any, wait_s: int, admission: Admission) -> None:
                 # The connection stays open: the server discards the unread body, and a
                 # crowd that reconnected for every retry would cost more than its requests.
                 (b"retry-after", str(wait_s).encode()),
+                *headers,
             ],
         }
     )
     await send({"type": "http.response.body", "body": body})
 
 
-__all__ = ["Admission", "AdmissionMiddleware"]
+__all__ = ["ADMITTED", "Admission", "AdmissionMiddleware", "admitted"]

@@ -18,6 +18,7 @@ answered 500 without internals (the schemathesis test holds that none is reachab
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -178,6 +179,17 @@ GC_GEN0_THRESHOLD = 50_000
 KEEP_ALIVE_S = 35
 
 
+class App(FastAPI):
+    """The FastAPI app with the ingest fast path (server/ingest_path.py) in front of its
+    middleware stack: agents' event batches are stored and answered there; every other
+    request, and what the fast path leaves, goes through FastAPI as usual."""
+
+    ingest_fast_path: IngestFastPath
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.ingest_fast_path(scope, receive, send)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the zerowatch server app: open (and migrate) the database, wire the routes.
 
@@ -224,7 +236,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await run_in_threadpool(compactor.close)
         db.close()
 
-    app = FastAPI(
+    app = App(
         docs_url=None,  # served by _install_docs
         title="zerowatch",
         version=zerowatch.__version__,
@@ -239,8 +251,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.read_gate = gate
     app.state.admission = admission = Admission(settings.ingest_max_pending)
+    app.ingest_fast_path = IngestFastPath(functools.partial(FastAPI.__call__, app), app.state)
     _install_error_handlers(app)
-    app.add_middleware(IngestFastPath)  # innermost: after the URL, admission and headers
     app.add_middleware(RejectNulMiddleware)
     app.add_middleware(AdmissionMiddleware, admission=admission)
     app.add_middleware(SecurityHeadersMiddleware)

@@ -35,9 +35,8 @@ def routed(
     app = create_app(Settings(db_url=sqlite_url, token=TOKEN, max_batch_bytes=200_000))
     headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
     with TestClient(app, headers=headers) as c:
-        layer = app.middleware_stack
-        while not isinstance(layer, IngestFastPath):
-            layer = layer.app
+        layer = app.ingest_fast_path  # type: ignore[attr-defined]
+        assert isinstance(layer, IngestFastPath)
         inner = layer.app
 
         async def counted(scope: Any, receive: Any, send: Any) -> None:
@@ -196,3 +195,31 @@ def test_the_fast_decoder_reads_a_body_as_the_route_does_or_leaves_it() -> None:
     for junk in (b"", b"[]", b"{", b'{"run_id": 1, "events": []}', b"\xff\xfe", b"null",
                  b'{"run_id": "fast"}', b'{"run_id": "fast", "events": {}}'):  # fmt: skip
         assert decode_batch(junk) is None and _route_decode(junk) is None, junk
+
+
+def test_the_edge_admits_a_batch_once_and_sheds_past_the_bound(
+    routed: tuple[TestClient, list[str]],
+) -> None:
+    """The fast path sits in front of the app's middleware: it does admission itself (503 +
+    Retry-After past the bound, with the app's security headers), and a batch it hands to
+    the route is not counted a second time by the admission middleware."""
+    c, seen = routed
+    admission = c.app.state.admission  # type: ignore[attr-defined]
+    body = _body([simulate.step_event(SPEC, 0, 0)])
+    while admission.try_admit() is None:  # fill every slot
+        pass
+    held, shed = admission.pending, admission.shed
+    r = c.post("/api/v1/runs/fast/events", content=body)
+    assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+    assert r.headers["x-frame-options"] == "DENY"
+    assert (admission.pending, admission.shed) == (held, shed + 1)
+    for _ in range(held):
+        admission.release()
+    r = c.post("/api/v1/runs/fast/events", content=body)
+    assert r.status_code == 200 and r.json() == {"accepted": 1, "duplicates": 0}
+    assert r.headers["content-type"] == "application/json" and seen == []
+    r = c.post("/api/v1/runs/fast/events", content=body, headers={"Authorization": "Bearer x"})
+    assert r.status_code == 403 and seen == ["/api/v1/runs/fast/events"]  # the route's answer
+    r = c.post("/api/v1/runs/fast/events%00", content=body)
+    assert r.status_code == 400
+    assert admission.pending == 0  # each admitted once, released once
