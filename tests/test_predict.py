@@ -195,16 +195,35 @@ def test_with_counted_calls_a_layout_is_priced_by_its_calls() -> None:
     measured). Stage 1 as counted: 2 all-gathers, 2 reduce-scatters (messages of 2 MB
     against 1 MB now: within the size factor) and the norm's all-reduce, an op the run did
     not make (the median, 1.875 ms): 2.5 + 5 + 1.875 = 9.375 ms, against 15 ms by the bytes
-    alone. Exposed 8 x 9.375 / 20 = 3.75 ms, overlap 0.3 x 9.375:
+    alone. Exposed 8 x 9.375 / 20 = 3.75 ms. The comm threads' 6 ms of CPU go per ring pass
+    (12 now; stage 1: 2 + 2 + the all-reduce's 2 = 6): 3 ms:
 
-        50 - 8 - 6 + 3.75 + 2.8125 = 42.5625 ms"""
+        50 - 8 - 6 + 3.75 + 3 = 42.75 ms"""
     m = _counted(stage3_on_cpu(), {3: {"all_gather": [8], "reduce_scatter": [4]},
                                    1: {"all_gather": [2], "reduce_scatter": [2],
                                        "all_reduce": [1]}})  # fmt: skip
     got = predict.predict(m, predict.Change(stage=1))
     assert got.basis["comm_s_now"] == pytest.approx(0.020)
     assert got.basis["comm_s_new"] == pytest.approx(0.009375)
-    assert got.step_time_s == pytest.approx(0.0425625)
+    assert got.basis["overlap_s_now"] == pytest.approx(0.006)
+    assert got.basis["overlap_s_new"] == pytest.approx(0.003)
+    assert got.step_time_s == pytest.approx(0.04275)
+
+
+def test_with_counted_calls_the_comm_threads_cpu_goes_by_ring_passes() -> None:
+    """A stage-1 run (3 all-gathers, 3 reduce-scatters, the norm's all-reduce: 8 passes,
+    4 ms of comm-thread CPU): stage 3's 8 gathers, 4 reduce-scatters and 2 all-reduces
+    are 16 passes, 8 ms, whatever the latency of stage 1's calls (queued at the end of
+    backward) says; without the clock it is 0."""
+    m = _counted(stage3_on_cpu(stage=1, other_cpu_s=0.004),
+                 {1: {"all_gather": [3], "reduce_scatter": [3], "all_reduce": [1]},
+                  3: {"all_gather": [8], "reduce_scatter": [4], "all_reduce": [2]}})  # fmt: skip
+    assert predict.comm_thread_cpu_s(m, 1) == pytest.approx(0.004)
+    assert predict.comm_thread_cpu_s(m, 3) == pytest.approx(0.008)
+    assert predict.comm_thread_cpu_s(m, 0) is None  # stage 0 not counted here
+    got = predict.predict(m, predict.Change(stage=3))
+    assert got.basis["overlap_s_new"] - got.basis["overlap_s_now"] == pytest.approx(0.004)
+    assert predict.comm_thread_cpu_s(dataclasses.replace(m, other_cpu_s=None), 3) is None
 
 
 def test_an_ops_latency_does_not_price_calls_of_much_larger_messages() -> None:
