@@ -144,6 +144,9 @@ _EDGES = [
     ('"step_time_s": 1.0, "samples": -9223372036854775809', "one below int64"),
     ('"step_time_s": 100000000000000000000', "a 21-digit int for a float"),
     ('"step_time_s": 0.1234567890123456789012', "a 22-digit mantissa"),
+    ('"step_time_s": 0.0004186889117305184', "a float below 0.01 at full precision"),
+    ('"step_time_s": 1.0, "samples": -1234567890123456789012', "a long negative int"),
+    ('"step_time_s": 1e-0000000000000000000001', "a long exponent"),
     ('"step_time_s": 1E-5, "exposed_comm_s": -0.0', "exponent forms, negative zero"),
     ('"step_time_s": 1.0, "host": "a\\u0000b"', "NUL in a string"),
     ('"step_time_s": 1.0, "host": "a\\\\u0000b"', "an escaped backslash before u0000"),
@@ -223,3 +226,18 @@ def test_the_edge_admits_a_batch_once_and_sheds_past_the_bound(
     r = c.post("/api/v1/runs/fast/events%00", content=body)
     assert r.status_code == 400
     assert admission.pending == 0  # each admitted once, released once
+
+
+def test_small_floats_at_full_precision_take_the_fast_path() -> None:
+    """The shortest text of a float below 0.01 has a fraction of 19 digits or more (a real
+    run's latencies): such a body is the fast decoder's, with the route's values; an integer
+    of 19 digits is still left to the route."""
+    spec = simulate.SimSpec(world_size=8, stage=3)
+    events = [simulate.step_event(spec, 0, s) for s in range(2)]
+    for e in events:
+        e.step_time_s, e.exposed_comm_s = 0.0004186889117305184, 0.000012345678901234568
+    raw = _body(events)
+    assert b"0.0004186889117305184" in raw and b"0.000012345678901234568" in raw
+    fast = decode_batch(raw)
+    assert fast is not None and _values(fast) == _values(_route_decode(raw))
+    assert decode_batch(raw.replace(b"0.0004186889117305184", b"1234567890123456789")) is None
