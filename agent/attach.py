@@ -206,6 +206,7 @@ def instrument(
         transport=transport, memory=memory, health=health, config=config, server=server,
         next_seq=lambda: next(seq),
     )  # fmt: skip
+    transport.every_wake(recorder.tidy)
     transport.start()
     adapter.attach(recorder)
     _close_at_exit(handle)

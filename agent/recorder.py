@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -65,7 +65,6 @@ from zerowatch.agent.probes import (
     PhaseTimer,
     PhaseWindow,
 )
-from zerowatch.agent.probes.collectives import _FOLD_EVERY
 
 from zerowatch import events as ev
 
@@ -92,7 +91,8 @@ class UserScalars:
     samples: int = 0
     lr: float | None = None
     grad_norm: float | None = None
-    other: dict[str, float] = field(default_factory=dict)
+    #: (Made by the first other key: a new UserScalars at every step's end builds nothing.)
+    other: dict[str, float] | None = None
 
     def add(self, scalars: dict[str, float]) -> None:
         for key, value in scalars.items():
@@ -110,10 +110,12 @@ class UserScalars:
             elif key == "samples":
                 self.samples += int(value)
             elif math.isfinite(value):
+                if self.other is None:
+                    self.other = {}
                 self.other[key] = value
 
 
-@dataclass
+@dataclass(slots=True)
 class StepDraft:
     """One ended step whose event is not out yet."""
 
@@ -199,8 +201,8 @@ class StepRecorder:
 
     #: The engine's callbacks: closures made once (`_make_callbacks`), so that the many
     #: nested boundaries (param_gather, grad_reduce, offload copies) and the collectives
-    #: cost one dict subscript and two list appends each (the interpreter's own, inlined:
-    #: no call), with no attribute lookup and no allocation.
+    #: cost one dict subscript and two list appends, or one append, each (the interpreter's
+    #: own, inlined: no call), with no attribute lookup and no allocation.
     on_phase_start: Callable[[str, float], None]
     on_phase_end: Callable[[str, float], None]
     on_collective: Callable[[Any], None]
@@ -241,18 +243,13 @@ class StepRecorder:
         on_phase_start = boundary(start_codes, other_start, "start")
         on_phase_end = boundary(end_codes, other_end, "end")
 
-        pending = self._collectives.pending
-        fold_if_full = self._collectives.fold_if_full
+        collectives = self._collectives
+        pending = collectives.pending
 
         def on_collective(record: Any) -> None:
-            try:
-                pending.append(record)
-                if len(pending) >= _FOLD_EVERY:
-                    fold_if_full()
-            except Exception as e:
-                health.error("recording a collective", e)
-
-        collectives = self._collectives
+            # One append: the aggregator's bound on a long step is checked on the shipper
+            # thread (`tidy`), not here.
+            pending.append(record)
 
         def rebind() -> None:
             """Point the callbacks at the probes' lists again: taking a step on the host
@@ -266,6 +263,12 @@ class StepRecorder:
         self._rebind_lists = rebind
         self._routes = (start_codes, end_codes, codes)
         self._long_way = True  # (the top-level phases' route now)
+
+    def tidy(self) -> None:
+        """Housekeeping on the shipper thread, at each of its wake-ups: the collective
+        records of a step (or of the time between steps) that have piled up past the
+        aggregator's bound are folded (the training thread's callback only appends)."""
+        self._collectives.fold_if_full()
 
     def _route_top_level(self, long_way: bool) -> None:
         """Send the top-level phases' boundaries the long way (`_other_phase_*`: memory
@@ -328,10 +331,15 @@ class StepRecorder:
 
     def _begin_step(self, t: float) -> None:
         with self._lock:
-            if self._open is not None:
-                self._waiting.append(self._open)
-                self._open = None
-        self._emit_ready()
+            draft, self._open = self._open, None
+        if draft is not None and self._later and not self._waiting:
+            # (The host clock's steps are ready when they end: the last one goes at once.)
+            self._emit(partial(self._assemble, draft, self._next_seq()))
+            self.steps_emitted += 1
+        else:
+            if draft is not None:
+                self._waiting.append(draft)
+            self._emit_ready()
         # Anything that ran between steps (checkpointing, evaluation) is not part of one.
         self._timer.reset()
         self._collectives.discard()
@@ -408,8 +416,13 @@ class StepRecorder:
             self.steps_emitted += 1
 
     def _assemble(self, draft: StepDraft, seq: int) -> ev.StepEvent | None:
-        """The draft's StepEvent (on the shipper thread); None, counted, if it fails."""
+        """The draft's StepEvent (on the shipper thread); None, counted, if it fails. The
+        probes' lists for a coming step are made here too (`probes/room.py`), off the
+        training thread."""
         try:
+            if self._later:
+                self._timer.make_room()
+                self._collectives.make_room()
             return self._build(draft, seq)
         except Exception as e:
             self._health.error("assembling a step event", e)
@@ -477,7 +490,7 @@ class StepRecorder:
             samples_per_s=samples_per_s,
             tokens_per_s=tokens_per_s,
             mfu=flops.mfu(tokens_per_s, self._flops_per_token, cfg.peak_flops),
-            scalars=dict(user.other),
+            scalars=dict(user.other) if user.other else {},
             spans=self._spans(d, start_unix, step_time) if d.sampled else None,
             host=_HOST,
             local_rank=_LOCAL_RANK,

@@ -31,6 +31,7 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +109,7 @@ class Transport:
         self._next_probe = 0.0
         self._backoff = 0.0
         self.stats = TransportStats()
+        self._on_wake: list[Callable[[], None]] = []
         self._thread = threading.Thread(
             target=self._main, name=f"zerowatch-shipper-rank{rank}", daemon=True
         )
@@ -117,6 +119,11 @@ class Transport:
 
     def start(self) -> None:
         self._thread.start()
+
+    def every_wake(self, fn: Callable[[], None]) -> None:
+        """Call `fn` on the shipper thread at each of its wake-ups (before it ships; an
+        error is counted, never raised). Call before `start`."""
+        self._on_wake.append(fn)
 
     def submit(self, event: Any) -> None:
         """Hand one event (or a callable that builds it, called on the shipper thread) to
@@ -208,6 +215,11 @@ class Transport:
             if not stopping:
                 stopping = self._stop.wait(wait)  # close() wakes it early
             wait = self._flush_interval
+            for fn in self._on_wake:
+                try:
+                    fn()
+                except Exception as e:
+                    self._health.error("the shipper's housekeeping", e)
             self._drain_queue()
             if self._offline and self.spool.pending:
                 self._replay()

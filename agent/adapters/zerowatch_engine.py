@@ -79,6 +79,8 @@ class ZeroWatchEngineAdapter:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
+        #: The kind of step record last found frozen (`step_stats_later`).
+        self._frozen_kind: type | None = None
 
     def info(self) -> JobInfo:
         e = self.engine
@@ -140,8 +142,11 @@ class ZeroWatchEngineAdapter:
         so holding it is all the step's end does on the training thread; a record of
         another kind (an engine shaped like it that may change it in place) is read now."""
         last = getattr(self.engine, "last_step", None)
-        if not _frozen(type(last)):
-            return _stats_of(last)
+        kind = type(last)
+        if kind is not self._frozen_kind:  # (asked once per kind of record)
+            if not _frozen(kind):
+                return _stats_of(last)
+            self._frozen_kind = kind
         return functools.partial(_stats_of, last)
 
     def _comm(self) -> Any:

@@ -38,6 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerowatch.agent.probes.clock import Clock, HostClock
+from zerowatch.agent.probes.room import Spares
 
 from zerowatch import events as ev
 from zerowatch.events import STEP_PARTS as _PARTS
@@ -202,28 +203,30 @@ class PhaseWindow:
         self._totals: dict[str, float] | None = None
         self._parts_for: tuple[Any, float] | None = None
         self._parts: dict[str, float] | None = None
-        #: (boundaries, step start, step end) not paired yet (`PhaseTimer.take_later`).
-        self._later: tuple[list[Any], float, float] | None = None
+        #: (boundaries, index of the first, step start, step end) not paired yet
+        #: (`PhaseTimer.take_later`).
+        self._later: tuple[list[Any], int, float, float] | None = None
 
     @classmethod
     def later(cls, clock: Clock, codes: PhaseCodes, log: list[Any], step_start: float,
-              step_end: float) -> PhaseWindow:  # fmt: skip
-        """A window of host-clock boundaries (`log`: code, mark, ...) paired when first
-        read, as `PhaseTimer.take(step_start, step_end)` pairs them, no phase being open
-        before the first boundary."""
+              step_end: float, first: int = 0) -> PhaseWindow:  # fmt: skip
+        """A window of host-clock boundaries (`log[first:]`: code, mark, ...) paired when
+        first read, as `PhaseTimer.take(step_start, step_end)` pairs them, no phase being
+        open before the first boundary."""
         window = cls(clock, codes)
-        window._later = (log, step_start, step_end)
+        window._later = (log, first, step_start, step_end)
         return window
 
     def _pair_later(self) -> None:
         assert self._later is not None
-        log, origin, end = self._later
+        log, first, origin, end = self._later
         self._later = None
-        resolved = _pair_resolved(self.codes, log, len(log) & ~1, origin, end)
+        n = first + ((len(log) - first) & ~1)
+        resolved = _pair_resolved(self.codes, log, n, origin, end, first)
         if resolved is not None:
             self._iv, self._edges, self._totals, self._parts_for, self._parts = resolved
         else:
-            self._iv, self._edges = _pair_open(self.codes, log, [])
+            self._iv, self._edges = _pair_open(self.codes, log[first:], [])
 
     @property
     def intervals(self) -> list[tuple[str, Any, Any, bool]]:
@@ -300,7 +303,9 @@ class PhaseTimer:
 
     A boundary is two appends to `log` (its code and its clock mark); the recorder's
     callbacks append to it directly (`push`, `codes`), `start` / `end` are the same by
-    name. `take()` pairs the step's boundaries into intervals in one loop.
+    name. `take()` pairs the step's boundaries into intervals in one loop. The boundaries
+    start at `log[base]`: a log that `take_later` puts in place starts with padding, the
+    room made for the next step's boundaries (`room.with_room`).
     """
 
     def __init__(self, clock: Clock) -> None:
@@ -311,7 +316,10 @@ class PhaseTimer:
         #: code, mark, code, mark, ... per boundary, in order (`take_later` hands this list
         #: over and puts a new one here; `take` and `reset` empty it).
         self.log: list[Any] = []
+        #: Padding items at the start of `log`, before the boundaries.
+        self.base = 0
         self.push = self.log.append
+        self._spares = Spares()
         #: Start marks of the phases open at the end of the log, per phase index.
         self._open: list[list[Any]] = [[] for _ in self.codes.names]
         #: Whether any of them holds a start (read at every step's end and start instead of
@@ -342,12 +350,13 @@ class PhaseTimer:
                 0))` returns them); on CUDA they are resolved when the marks are ready.
         """
         # (Phases carried over from the last window take the long way.)
+        log, base = self.log, self.base
         if self._on_host and step_start is not None and step_end is not None and not self._any_open:
-            log = self.log
-            n = len(log) & ~1  # (whole boundaries: code, mark)
-            resolved = _pair_resolved(self.codes, log, n, float(step_start), float(step_end))
+            n = base + ((len(log) - base) & ~1)  # (whole boundaries: code, mark)
+            resolved = _pair_resolved(self.codes, log, n, float(step_start), float(step_end),
+                                      base)  # fmt: skip
             if resolved is not None:
-                del log[:n]
+                del log[base:n]
                 window = PhaseWindow(self.clock, self.codes)
                 (window._iv, window._edges, window._totals, window._parts_for,
                  window._parts) = resolved  # fmt: skip
@@ -355,11 +364,10 @@ class PhaseTimer:
         open_ = self._open
         while len(open_) < len(self.codes.names):  # names an adapter added since
             open_.append([])
-        log = self.log
         n = len(log)
-        intervals, edges = _pair_open(self.codes, log[:n], open_)
+        intervals, edges = _pair_open(self.codes, log[base:n], open_)
         self._any_open = any(open_)
-        del log[:n]
+        del log[base:n]
         return PhaseWindow(self.clock, self.codes, intervals, edges)
 
     def take_later(self, step_start: Any, step_end: Any) -> PhaseWindow:
@@ -367,24 +375,30 @@ class PhaseTimer:
         window (the recorder's step assembly, on the shipper thread): the step's boundaries
         are taken out of the log now, a slice, and nothing else is done on the training
         thread at the step's end: the log list is handed over whole, and `log` is a new
-        list after it. Host clock only, and for a step that started with nothing open (the
-        recorder resets the timer at each step's start); a phase still open at the step's
-        end is not carried over (the next `reset` would forget it). Otherwise this is
-        `take()`."""
+        list after it, with room for as many boundaries as this step logged (`room`: the
+        next step's appends reallocate nothing; `make_room` makes it ahead). Host clock only, and for a step that
+        started with nothing open (the recorder resets the timer at each step's start); a
+        phase still open at the step's end is not carried over (the next `reset` would
+        forget it). Otherwise this is `take()`."""
         if not self._on_host or self._any_open:
             return self.take(step_start, step_end)
         # The log itself goes with the window and a new one takes its place: no copy. (A
         # slice would touch every mark's float to count a reference, and between the
         # engine's kernels each is a cache miss: 36 us a step on 48 layers.) Whoever
         # appends to the log directly reads `log` again after this (the recorder does).
-        boundaries = self.log
-        self.log = []
+        boundaries, first = self.log, self.base
+        self.log, self.base = self._spares.take(len(boundaries) - first)
         self.push = self.log.append
         return PhaseWindow.later(self.clock, self.codes, boundaries, float(step_start),
-                                 float(step_end))  # fmt: skip
+                                 float(step_end), first)  # fmt: skip
+
+    def make_room(self) -> None:
+        """Make a log with room ready for a coming `take_later` (on the shipper thread:
+        see `room.Spares`)."""
+        self._spares.make()
 
     def reset(self) -> None:
-        del self.log[:]
+        del self.log[self.base :]
         if self._any_open:
             for stack in self._open:
                 stack.clear()
@@ -392,9 +406,9 @@ class PhaseTimer:
 
 
 def _pair_resolved(
-    codes: PhaseCodes, log: list[Any], n: int, origin: float, end: float
+    codes: PhaseCodes, log: list[Any], n: int, origin: float, end: float, first: int = 0
 ) -> tuple[list[Any], list[Any], dict[str, float], tuple[float, float], dict[str, float]] | None:
-    """Pair the host-clock boundaries `log[:n]` of one step (starting with no phase open)
+    """Pair the host-clock boundaries `log[first:n]` of one step (starting with no phase open)
     and, in the same pass, sum the phases and lay out the outermost intervals' edges; then
     cut the step into its exclusive parts (`_sweep`, the one cut of every path).
 
@@ -413,7 +427,7 @@ def _pair_resolved(
     intervals: list[Any] = []
     # The outermost intervals' edges, in the order they happened, for the cut (`_sweep`).
     edges: list[Any] = []
-    it = iter(log[:n])
+    it = iter(log[first:n])
     for code, mark in zip(it, it, strict=True):
         i = code >> 1
         d = depth[i]
