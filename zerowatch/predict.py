@@ -39,9 +39,12 @@ between the two configurations come from the model:
   which the step then waits for), so it is part of the step. It moves with the
   communication: ρ = other_cpu_s / the run's communication seconds (the CPU its threads use
   per second of communication, measured), and a change that adds or removes communication
-  seconds adds or removes ρ times them. On a GPU NCCL runs on the device, on its own
-  streams, and the host threads beside the training thread use almost no CPU; the agent
-  does not measure the term there (None), and it is 0: the model is as before;
+  seconds adds or removes ρ times them; where the engine counted its calls, a layout's
+  comm-thread CPU moves with its calls instead, weighted by their ring passes
+  (`comm_thread_cpu_s`: their CPU goes per call, and latency-seconds carry queueing). On
+  a GPU NCCL runs on the device, on its own streams, and the host threads beside the
+  training thread use almost no CPU; the agent does not measure the term there (None),
+  and it is 0: the model is as before;
 - stage 3's parameter management: at stage 3 the training thread gathers every unit into a
   pooled buffer, points the parameters at views of it, releases it after use, and reduces
   each unit's gradients as it is ready (engine/params_sharded.py, reducers.py), work stage
@@ -49,8 +52,10 @@ between the two configurations come from the model:
   (`param_gather`, `grad_reduce`, exclusive parts) that is not spent waiting on a
   collective: `comm_phase_host_s` = exposed_param_gather + exposed_grad_reduce - exposed
   comm. A stage-3 run's is removed when the prediction moves to stage 1 or 2 and kept
-  within stage 3; a run below stage 3 has not measured stage 3's, and nothing is added (a
-  prediction from stage 1 or 2 to 3 leaves it out, and is that much too fast). On a GPU the
+  within stage 3; a run below stage 3 has not measured stage 3's, and a prediction up to
+  stage 3 adds what the bundled engine timed of it at initialization on the job's own
+  parameters (engine/rehearsal.py: `rehearsed_management_s`; the bookkeeping alone, less
+  than stage 3 costs a 2-rank CPU run, docs/doctor.md). On a GPU the
   host's bookkeeping runs ahead of the device's queue and the parts are the device's
   timeline: not measured there (None), 0.
 
