@@ -45,6 +45,7 @@ import socket
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -208,8 +209,8 @@ class StepRecorder:
     on_collective: Callable[[Any], None]
 
     def _make_callbacks(self) -> None:
-        timer, health = self._timer, self._health
-        log, mark, codes = timer.log, self._clock.mark, timer.codes
+        timer = self._timer
+        mark, codes = self._clock.mark, timer.codes
         # Nested phases -> their boundary code; `step` and the top-level phases -> -1 (the
         # long way: step assembly, memory readings); a name not seen yet raises KeyError.
         start_codes = {n: -1 if n in _STEP_OR_TOP else c for n, c in codes.start.items()}
@@ -217,14 +218,16 @@ class StepRecorder:
         for name in _STEP_OR_TOP:
             start_codes[name] = end_codes[name] = -1
         other_start, other_end = self._other_phase_start, self._other_phase_end
-        on_host = mark is float  # HostClock: the mark is the time itself
 
-        def boundary(
-            codes_of: dict[str, int], other: Callable[[str, float], None], what: str
-        ) -> Callable[[str, float], None]:
-            """The callback of one kind of boundary (a phase's start or its end)."""
+        # What a callback uses comes in as default arguments, not closure cells: a call
+        # copies a closure's every cell into its frame, used or not (a cache miss each
+        # between the engine's kernels), and a default only for the arguments left out.
+        # `rebind` puts the new lists in the defaults.
+        if mark is float:  # HostClock: the mark is the time itself
 
-            def on_boundary(phase: str, t: float) -> None:
+            def on_boundary(phase: str, t: float, codes_of: dict[str, int] = start_codes,
+                            log: list[Any] = timer.log,
+                            other: Callable[[str, float], None] = other_start) -> None:  # fmt: skip
                 try:
                     code = codes_of[phase]
                 except KeyError:
@@ -234,19 +237,41 @@ class StepRecorder:
                     return
                 try:
                     log.append(code)
-                    log.append(t if on_host else mark(t))
+                    log.append(t)
                 except Exception as e:
-                    health.error(f"recording the {what} of phase {phase!r}", e)
+                    _boundary_failed(other, phase, e)
 
-            return on_boundary
+            on_phase_start = _copy_function(on_boundary, (start_codes, timer.log, other_start))
+            on_phase_end = _copy_function(on_boundary, (end_codes, timer.log, other_end))
+        else:
 
-        on_phase_start = boundary(start_codes, other_start, "start")
-        on_phase_end = boundary(end_codes, other_end, "end")
+            def on_device_boundary(phase: str, t: float, codes_of: dict[str, int] = start_codes,
+                                   log: list[Any] = timer.log,
+                                   other: Callable[[str, float], None] = other_start,
+                                   mark: Callable[[float], Any] = mark) -> None:  # fmt: skip
+                try:
+                    code = codes_of[phase]
+                except KeyError:
+                    code = -1
+                if code < 0:
+                    other(phase, t)
+                    return
+                try:
+                    log.append(code)
+                    log.append(mark(t))
+                except Exception as e:
+                    _boundary_failed(other, phase, e)
+
+            on_phase_start = _copy_function(
+                on_device_boundary, (start_codes, timer.log, other_start, mark)
+            )
+            on_phase_end = _copy_function(
+                on_device_boundary, (end_codes, timer.log, other_end, mark)
+            )
 
         collectives = self._collectives
-        pending = collectives.pending
 
-        def on_collective(record: Any) -> None:
+        def on_collective(record: Any, pending: list[Any] = collectives.pending) -> None:
             # One append: the aggregator's bound on a long step is checked on the shipper
             # thread (`tidy`), not here.
             pending.append(record)
@@ -254,8 +279,12 @@ class StepRecorder:
         def rebind() -> None:
             """Point the callbacks at the probes' lists again: taking a step on the host
             clock hands the lists over whole and puts new ones in their place."""
-            nonlocal log, pending
-            log, pending = timer.log, collectives.pending
+            log = timer.log
+            defaults = on_phase_start.__defaults__ or ()
+            on_phase_start.__defaults__ = (defaults[0], log, *defaults[2:])
+            defaults = on_phase_end.__defaults__ or ()
+            on_phase_end.__defaults__ = (defaults[0], log, *defaults[2:])
+            on_collective.__defaults__ = (collectives.pending,)
 
         self.on_phase_start = on_phase_start
         self.on_phase_end = on_phase_end
@@ -517,6 +546,21 @@ class StepRecorder:
                 span(f"offload_{direction}", "offload", t0 + off, t1 + off, {"bytes": nbytes})
             )  # fmt: skip
         return spans[:cap]
+
+
+def _copy_function(
+    fn: Callable[..., None], defaults: tuple[Any, ...]
+) -> Callable[[str, float], None]:
+    """`fn` again with other default arguments (one code, two callbacks)."""
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, defaults, fn.__closure__)
+    copy.__qualname__ = fn.__qualname__
+    return copy
+
+
+def _boundary_failed(other: Any, phase: str, e: Exception) -> None:
+    """Count an error recording a boundary (`other` is the recorder's long way for it)."""
+    what = "start" if other.__name__ == "_other_phase_start" else "end"
+    other.__self__._health.error(f"recording the {what} of phase {phase!r}", e)
 
 
 def _compute_in_one_thread() -> bool:
