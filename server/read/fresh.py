@@ -28,9 +28,10 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -102,8 +103,30 @@ def block_of(
     return Block(names, values, hists, sums)
 
 
-#: One cached rank-step: its block and its index there.
-Entry = tuple[Block, int]
+@dataclass(slots=True)
+class _Piece:
+    """The rank-steps of one step that one block holds: rank-step `at[i]` of `block` is
+    rank `ranks[i]`'s row `seqs[i]`."""
+
+    block: Block
+    at: np.ndarray  # int64
+    ranks: np.ndarray  # int64
+    seqs: np.ndarray  # int64
+
+
+@dataclass(slots=True)
+class Found:
+    """The rank-steps of one step the cache holds, among those asked for: `ranks`
+    (ascending) and, per block, `(block, at, pos)`: rank-step `at[i]` of the block is rank
+    `ranks[pos[i]]`'s."""
+
+    ranks: np.ndarray
+    parts: list[tuple[Block, np.ndarray, np.ndarray]]
+
+
+#: A (rank, seq) as one int64 (`rank << _SEQ_BITS | seq`) where both fit.
+_SEQ_BITS = 40
+_RANK_LIMIT = 1 << (62 - _SEQ_BITS)
 
 
 class FreshSteps:
@@ -125,8 +148,9 @@ class FreshSteps:
         self.convert_rows = convert_rows
         self.max_age_s = max_age_s
         self._lock = threading.Lock()
-        #: (run, step) -> {(rank, seq): entry}, in the order the steps came.
-        self._steps: dict[tuple[int, int], dict[tuple[int, int], Entry]] = {}
+        #: (run, step) -> its rank-steps, block by block in the order they came (a (rank,
+        #: seq) stored again after retention deleted it: the later copy counts).
+        self._steps: dict[tuple[int, int], list[_Piece]] = {}
         #: (run, step) -> when its first rank-step came (time.monotonic()).
         self._born: dict[tuple[int, int], float] = {}
         self._size = 0
@@ -185,17 +209,21 @@ class FreshSteps:
         now = time.monotonic()
         for pk, (rows, cs) in by_run.items():
             block = block_of(rows, cs, row_columns=row_columns, coll_columns=coll_columns)
-            for i, r in enumerate(rows):
-                key = (pk, r[step_at])
-                step = self._steps.get(key)
-                if step is None:
-                    step = self._steps[key] = {}
+            n = len(rows)
+            steps, ranks, seqs = (
+                np.fromiter(map(itemgetter(at), rows), dtype=np.int64, count=n)
+                for at in (step_at, rank_at, seq_at)
+            )
+            # The block's rank-steps step by step (one piece per step, no loop over rows).
+            order = np.argsort(steps, kind="stable")
+            for part in np.split(order, np.flatnonzero(np.diff(steps[order])) + 1):
+                key = (pk, int(steps[part[0]]))
+                pieces = self._steps.get(key)
+                if pieces is None:
+                    pieces = self._steps[key] = []
                     self._born[key] = now
-                # A (rank, seq) comes once, unless retention deleted its row and a replay
-                # stored it again: the newer copy replaces the older.
-                size = len(step)
-                step[(r[rank_at], r[seq_at])] = (block, i)
-                self._size += len(step) - size
+                pieces.append(_Piece(block, part, ranks[part], seqs[part]))
+                self._size += len(part)
         self._expire(now)
 
     def _expire(self, now: float) -> None:
@@ -205,30 +233,32 @@ class FreshSteps:
         for key, born in self._born.items():  # oldest first
             if born > now - self.max_age_s:
                 break
-            self._size -= len(self._steps.pop(key))
+            self._size -= _count(self._steps.pop(key))
         self._born = {k: b for k, b in self._born.items() if k in self._steps}
 
     def lookup(
-        self, pk: int, step: int, newest: Mapping[int, int]
-    ) -> tuple[list[tuple[int, Entry]], list[int]]:
-        """The rank-steps `newest` ({rank: seq}, the database's newest row of each rank of
-        the step) this cache holds, as [(rank, entry)], and the ranks it does not hold
-        (another process stored them, or they came before this one started); both
-        ascending."""
-        found: list[tuple[int, Entry]] = []
-        missing: list[int] = []
+        self, pk: int, step: int, ranks: np.ndarray, seqs: np.ndarray
+    ) -> tuple[Found, np.ndarray]:
+        """Which of the rank-steps asked for this cache holds: `ranks` (int64, ascending,
+        unique) and `seqs` name the database's newest row of each rank of the step. Returns
+        what it holds, and the ranks it does not hold (another process stored them, or they
+        came before this one started), ascending."""
         with self._lock:
             self._convert()
-            held = self._steps.get((pk, step)) or {}
-            for rank in sorted(newest):
-                entry = held.get((rank, newest[rank]))
-                if entry is None:
-                    missing.append(rank)
-                else:
-                    found.append((rank, entry))
-            if not missing:
+            pieces = list(self._steps.get((pk, step)) or ())
+        hit = _held(pieces, ranks, seqs)
+        found = Found(ranks[hit[0] >= 0] if len(ranks) else ranks, [])
+        if len(found.ranks):
+            which, at = hit
+            pos = np.cumsum(which >= 0) - 1
+            for i in np.unique(which[which >= 0]).tolist():
+                sel = which == i
+                found.parts.append((pieces[i].block, at[sel], pos[sel]))
+        missing = ranks[hit[0] < 0]
+        with self._lock:
+            if not len(missing):
                 self.hits += 1
-            elif found:
+            elif len(found.ranks):
                 self.partial += 1
             else:
                 self.misses += 1
@@ -241,7 +271,7 @@ class FreshSteps:
             for step in steps:
                 dropped = self._steps.pop((pk, step), None)
                 if dropped is not None:
-                    self._size -= len(dropped)
+                    self._size -= _count(dropped)
                     del self._born[(pk, step)]
 
     def forget_run(self, pk: int) -> None:
@@ -249,8 +279,52 @@ class FreshSteps:
         with self._lock:
             self._convert()
             for key in [k for k in self._steps if k[0] == pk]:
-                self._size -= len(self._steps.pop(key))
+                self._size -= _count(self._steps.pop(key))
                 del self._born[key]
+
+
+def _count(pieces: list[_Piece]) -> int:
+    return sum(len(p.at) for p in pieces)
+
+
+def _held(
+    pieces: list[_Piece], ranks: np.ndarray, seqs: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """For each (ranks[i], seqs[i]): the piece that holds it (-1: none; the last one when
+    several do) and its rank-step in that piece's block."""
+    which = np.full(len(ranks), -1, dtype=np.int64)
+    at = np.zeros(len(ranks), dtype=np.int64)
+    if not pieces or not len(ranks):
+        return which, at
+    c_ranks = np.concatenate([p.ranks for p in pieces])
+    c_seqs = np.concatenate([p.seqs for p in pieces])
+    c_piece = np.repeat(np.arange(len(pieces)), [len(p.at) for p in pieces])
+    c_at = np.concatenate([p.at for p in pieces])
+    both = (c_ranks, ranks, c_seqs, seqs)
+    if (
+        min(a.min() for a in both) >= 0
+        and max(c_ranks.max(), ranks.max()) < _RANK_LIMIT
+        and (max(c_seqs.max(), seqs.max()) < 1 << _SEQ_BITS)
+    ):
+        c_key = c_ranks << _SEQ_BITS | c_seqs
+        key = ranks << _SEQ_BITS | seqs
+        # The last copy of each key: np.unique keeps the first of the reversed order.
+        keys, first = np.unique(c_key[::-1], return_index=True)
+        last = len(c_key) - 1 - first
+        pos = np.minimum(np.searchsorted(keys, key), len(keys) - 1)
+        ok = keys[pos] == key
+        which[ok] = c_piece[last[pos[ok]]]
+        at[ok] = c_at[last[pos[ok]]]
+        return which, at
+    # Ranks or seqs past what one int64 key holds: a dict (never seen in practice).
+    index = {
+        (r, q): i for i, (r, q) in enumerate(zip(c_ranks.tolist(), c_seqs.tolist(), strict=True))
+    }
+    for j, (r, q) in enumerate(zip(ranks.tolist(), seqs.tolist(), strict=True)):
+        i = index.get((r, q))
+        if i is not None:
+            which[j], at[j] = c_piece[i], c_at[i]
+    return which, at
 
 
 @dataclass(slots=True)
@@ -286,39 +360,30 @@ class StepColumns:
         return StepColumns(ranks[order], table, counts, sums)
 
 
-def columns(entries: Sequence[tuple[int, Entry]]) -> StepColumns:
-    """The StepColumns of cached rank-steps ([(rank, entry)], ranks ascending): what
-    `rollups.compute` gets from the rows of those ranks."""
-    n = len(entries)
-    by_block: dict[int, tuple[Block, list[int], list[int]]] = {}
-    for pos, (_, (block, i)) in enumerate(entries):
-        got = by_block.get(id(block))
-        if got is None:
-            got = by_block[id(block)] = (block, [], [])
-        got[1].append(pos)
-        got[2].append(i)
+def columns(found: Found) -> StepColumns:
+    """The StepColumns of cached rank-steps (`FreshSteps.lookup`): what `rollups.compute`
+    gets from the rows of those ranks."""
+    n = len(found.ranks)
     cols: dict[str, np.ndarray] = {}
     hists: dict[str, np.ndarray] = {}
     sums: dict[str, list[float]] = {}
-    for block, positions, idx in by_block.values():
-        pos_a, idx_a = np.array(positions), np.array(idx)
-        sub = block.values[:, idx_a]
+    for block, at, pos in found.parts:
+        sub = block.values[:, at]
         for j, name in enumerate(block.names):
             col = cols.get(name)
             if col is None:
                 col = cols[name] = np.full(n, np.nan)
-            col[pos_a] = sub[j]
+            col[pos] = sub[j]
         for op, h in block.hists.items():
             total = hists.get(op)
             if total is None:
                 total = hists[op] = np.zeros(N_BUCKETS, dtype=np.int64)
                 sums[op] = []
-            total += h[idx_a].sum(axis=0)
+            total += h[at].sum(axis=0)
             lats, rows = block.latency_sums[op]
-            sums[op].extend(lats[np.isin(rows, idx_a)].tolist())
+            sums[op].extend(lats[np.isin(rows, at)].tolist())
     cols = {name: c for name, c in cols.items() if not np.isnan(c).all()}
-    ranks = np.array([rank for rank, _ in entries], dtype=np.int64)
-    return StepColumns(ranks, cols, hists, sums)
+    return StepColumns(found.ranks.copy(), cols, hists, sums)
 
 
 class LiveMemo:
@@ -361,4 +426,4 @@ def of(engine: Engine) -> FreshSteps:
         return cache
 
 
-__all__ = ["Block", "FreshSteps", "LiveMemo", "StepColumns", "block_of", "columns", "of"]
+__all__ = ["Block", "Found", "FreshSteps", "LiveMemo", "StepColumns", "block_of", "columns", "of"]

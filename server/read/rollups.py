@@ -48,6 +48,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -246,29 +247,37 @@ def compute(
             for step, cols in _columns_from_rows(conn, pk, chunk).items():
                 out[step] = _summarize_columns(cols)
             continue
-        newest: dict[int, dict[int, int]] = defaultdict(dict)
         query = select(s.step, s.rank, s.seq).where(s.run == pk, s.step.in_(chunk))
-        for step, rank, seq in _raw_rows(conn, query):
-            held = newest[step]
-            if held.get(rank, -1) < seq:
-                held[rank] = seq
         from_rows = []
-        for step in chunk:
-            if step not in newest:
-                continue  # no rows: no rollups
-            found, missing = cache.lookup(pk, step, newest[step])
-            if not found:
+        for step, ranks, seqs in _newest_keys(_raw_rows(conn, query)):
+            found, missing = cache.lookup(pk, step, ranks, seqs)
+            if not len(found.ranks):
                 from_rows.append(step)
                 continue
             cols = fresh.columns(found)
-            if missing:  # the ranks another process stored: their rows only
-                rest = _columns_from_rows(conn, pk, [step], ranks=missing).get(step)
+            if len(missing):  # the ranks another process stored: their rows only
+                rest = _columns_from_rows(conn, pk, [step], ranks=missing.tolist()).get(step)
                 if rest is not None:
                     cols = cols.merged(rest)
             out[step] = _summarize_columns(cols)
         for step, cols in _columns_from_rows(conn, pk, from_rows).items():
             out[step] = _summarize_columns(cols)
     return dict(sorted(out.items()))
+
+
+def _newest_keys(rows: Sequence[Sequence[int]]) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """(step, ranks, seqs) for each step of (step, rank, seq) rows, steps ascending: its
+    ranks ascending, each with its newest seq (a restart that replayed step numbers)."""
+    if not rows:
+        return
+    a = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=3 * len(rows)).reshape(-1, 3)
+    a = a[np.lexsort((a[:, 2], a[:, 1], a[:, 0]))]
+    last = np.ones(len(a), dtype=bool)
+    last[:-1] = (a[1:, 0] != a[:-1, 0]) | (a[1:, 1] != a[:-1, 1])
+    a = a[last]
+    bounds = np.flatnonzero(np.diff(a[:, 0])) + 1
+    for part in np.split(a, bounds):
+        yield int(part[0, 0]), part[:, 1].copy(), part[:, 2].copy()
 
 
 def _summarize_columns(cols: fresh.StepColumns) -> dict[str, Stats]:
