@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Any
 
 import pytest
 from zerowatch.server import store
@@ -213,3 +214,36 @@ def test_a_step_rolled_up_in_the_middle_of_a_read_is_not_lost(
         got = rollups.read(conn, pk, None, steps_in=[0])
     assert got["step_time_s"][0].n == SPEC.world_size
     assert got["collective.all_gather.busbw"][0].n == SPEC.world_size
+
+
+def test_held_finds_each_newest_row_with_the_later_copy_winning() -> None:
+    """`fresh._held` (which cached rank-step is each rank's newest row): the int64-key path
+    and the dict path for ranks or seqs past that key agree, and a (rank, seq) kept twice
+    (stored again after retention deleted it) is found in its later piece."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+
+    def piece(ranks: list[int], seqs: list[int], at0: int) -> Any:
+        at = np.arange(at0, at0 + len(ranks), dtype=np.int64)
+        return fresh._Piece(
+            None, at, np.array(ranks, dtype=np.int64), np.array(seqs, dtype=np.int64)
+        )  # type: ignore[arg-type]
+
+    for offset in (0, 1 << 41):  # seqs within the key, and past it (the dict)
+        ranks = rng.permutation(64)
+        seqs = rng.integers(0, 5, 64) + offset
+        pieces = [piece(ranks[:40].tolist(), seqs[:40].tolist(), 0),
+                  piece(ranks[30:].tolist(), seqs[30:].tolist(), 100)]  # fmt: skip
+        ask_ranks = np.arange(70, dtype=np.int64)
+        ask_seqs = np.full(70, offset, dtype=np.int64)
+        ask_seqs[ranks] = seqs
+        ask_seqs[5] += 1  # rank 5: a newer row this cache does not hold
+        which, at = fresh._held(pieces, ask_ranks, ask_seqs)
+        for r in range(70):
+            if r >= 64 or r == 5:
+                assert which[r] == -1, r
+                continue
+            i = int(np.flatnonzero(ranks == r)[0])
+            want = (1, 100 + i - 30) if i >= 30 else (0, i)  # the later copy wins
+            assert (which[r], at[r]) == want, r
