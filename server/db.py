@@ -65,6 +65,11 @@ def make_engine(url: str) -> Engine:
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA synchronous=NORMAL")
+            # A checkpoint copies each page of the WAL once, however often it was written
+            # since the last: at 10,000 pages (40 MiB) instead of 1,000 the hot pages (the
+            # rank states, dirty marks, index interiors) are copied a tenth as often
+            # (the ingest writer's commit 7.7-8.0 -> 6.9-7.3 us a rank-step, in-process).
+            cur.execute("PRAGMA wal_autocheckpoint=10000")
             cur.execute("PRAGMA busy_timeout=30000")
             # Reads of a big run touch many pages: a 64 MiB page cache and memory-mapped I/O.
             cur.execute("PRAGMA cache_size=-65536")
