@@ -132,7 +132,17 @@ def test_prometheus_raises_regression_and_stall_alerts_from_a_live_server(
 
             # Let Prometheus hold a baseline one offset long, then regress.
             step_time = f'zerowatch_step_time_seconds{{run="{regressing.run_id}"}}'
-            prom.wait_for(lambda: prom.query(f"{step_time} offset {OFFSET_S}s"), timeout=30)
+            try:
+                prom.wait_for(lambda: prom.query(f"{step_time} offset {OFFSET_S}s"), timeout=30)
+            except PrometheusError as e:  # say what the server held and exposed
+                exposed = httpx.get(f"{server.url}/metrics", timeout=10).text
+                lines = [x for x in exposed.splitlines() if regressing.run_id in x]
+                log = server.log_path.read_text()[-3000:] if server.log_path.exists() else ""
+                pytest.fail(
+                    f"{e}\nsteps posted {regressing.step}, errors {regressing.errors[:3]}"
+                    f"\n/metrics lines of the run: {len(lines)}: {lines[:5]}"
+                    f"\nserver log tail:\n{log}"
+                )
             regress_at = regressing.regress_now()
 
             def both_alerts() -> dict[tuple[str, str], dict[str, Any]]:
