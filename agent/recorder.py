@@ -363,8 +363,7 @@ class StepRecorder:
             draft, self._open = self._open, None
         if draft is not None and self._later and not self._waiting:
             # (The host clock's steps are ready when they end: the last one goes at once.)
-            self._emit(partial(self._assemble, draft, self._next_seq()))
-            self.steps_emitted += 1
+            self._emit_one(draft)
         else:
             if draft is not None:
                 self._waiting.append(draft)
@@ -439,10 +438,13 @@ class StepRecorder:
             if not force and not self._later and not draft.ready(self._clock):
                 return
             self._waiting.pop(0)
-            # The event is built where it is shipped (`_assemble`); its seq is taken here,
-            # so the events and the run's EndEvent keep the order the steps ended in.
-            self._emit(partial(self._assemble, draft, self._next_seq()))
-            self.steps_emitted += 1
+            self._emit_one(draft)
+
+    def _emit_one(self, draft: StepDraft) -> None:
+        # The event is built where it is shipped (`_assemble`); its seq is taken here, so
+        # the events and the run's EndEvent keep the order the steps ended in.
+        self._emit(partial(self._assemble, draft, self._next_seq()))
+        self.steps_emitted += 1
 
     def _assemble(self, draft: StepDraft, seq: int) -> ev.StepEvent | None:
         """The draft's StepEvent (on the shipper thread); None, counted, if it fails. The
