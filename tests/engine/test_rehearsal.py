@@ -27,12 +27,13 @@ def test_rehearsal_times_the_management_and_leaves_the_parameters_as_they_were()
         assert p.grad is None
 
 
-def test_rehearsal_is_not_timed_for_one_rank_a_gpu_or_nothing_sharded() -> None:
+def test_rehearsal_is_not_timed_for_one_rank_a_gpu_nothing_sharded_or_stage_3() -> None:
     model = make_model()
     params = _params(model)
     zc = ZeroConfig(stage=1, reduce_bucket_size=600, stage3_param_persistence_threshold=40)
     whole = ZeroConfig(stage=1, stage3_param_persistence_threshold=10**9)
-    for z, n, device in ((zc, 1, "cpu"), (zc, 2, "cuda"), (whole, 2, "cpu")):
+    at3 = ZeroConfig(stage=3, reduce_bucket_size=600, stage3_param_persistence_threshold=40)
+    for z, n, device in ((zc, 1, "cpu"), (zc, 2, "cuda"), (whole, 2, "cpu"), (at3, 2, "cpu")):
         got = stage3_management_s(model, params, z, world_size=n, gradient_accumulation_steps=1,
                                   device=torch.device(device), dtype=torch.float32)  # fmt: skip
         assert got is None

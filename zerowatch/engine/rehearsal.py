@@ -67,11 +67,12 @@ def stage3_management_s(module: nn.Module, params: ParamList, zc: ZeroConfig, *,
     """Seconds of stage 3's parameter management per optimizer step on the training thread
     (the fastest of PASSES rehearsals), or None where it is not timed: one rank, no sharded
     parameter, or a GPU (the host runs ahead of the device there and the doctor does not
-    price it).
+    price it), or a run at stage 3 itself (its steps measure the real thing: predict.py
+    reads the rehearsal only for a run below stage 3).
 
     Must run before the engine lays out stage 3 (which empties the parameters).
     """
-    if world_size <= 1 or device.type != "cpu":
+    if world_size <= 1 or device.type != "cpu" or int(zc.stage) >= 3:
         return None
     threshold = int(zc.stage3_param_persistence_threshold)
     big = {id(t[1]): t for t in params if t[1].numel() >= threshold}
