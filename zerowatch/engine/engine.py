@@ -40,7 +40,7 @@ from zerowatch.engine.hooks import ObserverRegistry
 from zerowatch.engine.optim import MasterWeights, StepStats, build_optimizer, state_tensors
 from zerowatch.engine.phases import Phases
 from zerowatch.engine.precision import DTYPES, make_scaler
-from zerowatch.engine.rehearsal import stage3_management_s
+from zerowatch.engine.rehearsal import management_s
 from zerowatch.engine.schedulers import build_scheduler
 from zerowatch.engine.stages import ParamList, compose
 
@@ -156,14 +156,17 @@ class ZeroEngine:
         self.collective_calls = collective_calls(
             module, params, zc, world_size=self.world_size,
             gradient_accumulation_steps=int(self.gradient_accumulation_steps))  # fmt: skip
-        # ... and stage 3's parameter management timed on this job's parameters
-        # (rehearsal.py), which a run below stage 3 cannot measure in its steps.
-        manage = stage3_management_s(
-            module, params, zc, world_size=self.world_size,
+        # ... and each stage's communication path on the training thread, rehearsed on this
+        # job's parameters and process group (rehearsal.py: every rank alike), which a run
+        # cannot measure for the stages it does not run.
+        manage = management_s(
+            module, params, zc, comm=self.comm, world_size=self.world_size, rank=self.rank,
             gradient_accumulation_steps=int(self.gradient_accumulation_steps),
             device=self.device, dtype=self.dtype)  # fmt: skip
         if manage is not None and self.collective_calls:
-            self.collective_calls["stage3_management_s"] = manage
+            self.collective_calls["management_s"] = {str(st): v for st, v in manage.items()}
+            if 3 in manage:  # the one figure of the agents and servers before the table
+                self.collective_calls["stage3_management_s"] = manage[3]
         self.parts = compose(self.zero_stage, module, params, zc, self.comm, self.phases,
                              device=self.device, dtype=self.dtype)  # fmt: skip
         # Called by destroy(), or when this engine is collected: it holds the parts, not
