@@ -133,6 +133,10 @@ class Measured:
     counted_calls: CountedCalls | None = None
 
 
+def _seconds(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class CountedCalls:
     """Collective calls per optimizer step of each stage (0-3) at a range of
@@ -147,6 +151,12 @@ class CountedCalls:
     #: engine timed it on the job's parameters at initialization (engine/rehearsal.py;
     #: None: not timed: a GPU, an engine before it).
     stage3_management_s: float | None = None
+    #: stage -> seconds per step of that stage's communication path on the training thread
+    #: outside the collectives' waits (stage 3: its parameter management; stages 0-2: their
+    #: bucket handling), as the engine rehearsed it on the job's parameters and process
+    #: group at initialization (engine/rehearsal.py); empty: not rehearsed (a GPU, an
+    #: engine before the table).
+    management_s: dict[int, float] = field(default_factory=dict)
 
     @classmethod
     def from_engine_info(cls, info: Any) -> CountedCalls | None:
@@ -162,8 +172,15 @@ class CountedCalls:
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
         manage = raw.get("stage3_management_s")
-        if not isinstance(manage, int | float) or not math.isfinite(manage) or manage < 0:
+        if not _seconds(manage):
             manage = None
+        table = raw.get("management_s")
+        per_stage: dict[int, float] = {}
+        if isinstance(table, dict):
+            try:
+                per_stage = {int(st): float(v) for st, v in table.items() if _seconds(v)}
+            except (TypeError, ValueError):
+                per_stage = {}
         if (
             not sizes
             or list(sizes) != sorted(sizes)
@@ -171,7 +188,8 @@ class CountedCalls:
         ):
             return None
         return cls(reduce_bucket_size=own, bucket_sizes=sizes, calls=calls,
-                   stage3_management_s=None if manage is None else float(manage))  # fmt: skip
+                   stage3_management_s=None if manage is None else float(manage),
+                   management_s=per_stage)  # fmt: skip
 
     def at(self, stage: int, bucket: int | None = None) -> dict[str, float] | None:
         """Calls per op of `stage` with buckets of `bucket` elements (default: the run's):
@@ -426,9 +444,7 @@ def predict(m: Measured, change: Change) -> Prediction:
     if counted_now is not None and counted_new is not None:
         overlap_now, overlap_new = counted_now, counted_new
         basis["overlap_by_calls"] = 1.0
-    manage_now = stage3_management_s(m)
-    manage_new = manage_now if m.stage == 3 else rehearsed_management_s(m)
-    manage_new = manage_new if st == 3 else 0.0
+    manage_now, manage_new = management_s(m, m.stage), management_s(m, st)
     step = (m.step_time_s - m.exposed_comm_s - m.optimizer_s - copies_now - overlap_now
             - manage_now + exposed_new + opt_new + copies_new + overlap_new
             + manage_new)  # fmt: skip
@@ -436,8 +452,8 @@ def predict(m: Measured, change: Change) -> Prediction:
     peak = None if m.peak_bytes is None else m.peak_bytes - m.model_state_bytes + state
     basis.update(comm_s_now=comm_now, comm_s_new=comm_new, optimizer_s_new=opt_new,
                  copies_s_new=copies_new, overlap_s_now=overlap_now,
-                 overlap_s_new=overlap_new, stage3_management_s_now=manage_now,
-                 stage3_management_s_new=manage_new)  # fmt: skip
+                 overlap_s_new=overlap_new, management_s_now=manage_now,
+                 management_s_new=manage_new)  # fmt: skip
     return Prediction(change=change, step_time_s=max(step, 0.0), model_state_bytes=state,
                       peak_bytes=peak, fits=_fits(m, peak), calibrated=calibrated,
                       basis=basis)  # fmt: skip
@@ -487,16 +503,39 @@ def stage3_management_s(m: Measured) -> float:
     return max(m.comm_phase_host_s, 0.0)
 
 
-def rehearsed_management_s(m: Measured) -> float:
-    """Seconds per step of stage 3's parameter management for a run below stage 3: what
-    the engine timed on the job's parameters at initialization (engine/rehearsal.py: the
-    pool, the parameter views, the staging copies, the gradient hooks, nothing
-    communicated; the fastest of its passes, so already the least disturbed by other work);
-    0 on a GPU and where the engine did not time it."""
+def rehearsed_management_s(m: Measured, stage: int = 3) -> float | None:
+    """Seconds per step of `stage`'s communication path on the training thread outside the
+    collectives' waits, as the engine rehearsed it on the job's parameters and process
+    group at initialization (engine/rehearsal.py: the real calls, asynchronous, with the
+    stage's bookkeeping around them; the median of its passes). For stage 3 an engine
+    before the per-stage table sent its parameter management alone. None on a GPU and
+    where the engine did not rehearse it."""
     cc = m.counted_calls
-    if m.device != "cpu" or cc is None or cc.stage3_management_s is None:
+    if m.device != "cpu" or cc is None:
+        return None
+    if stage in cc.management_s:
+        return cc.management_s[stage]
+    return cc.stage3_management_s if stage == 3 and not cc.management_s else None
+
+
+def management_s(m: Measured, stage: int) -> float:
+    """Seconds per step of the training thread's communication path outside the
+    collectives' waits at `stage` (`comm_phase_host_s`: the communication phases' time
+    less the waits): at the run's own stage what it measured, where the engine rehearsed
+    the stages (a CPU run of the bundled engine) or at stage 3 (its parameter management);
+    at another stage what the engine rehearsed of it. 0 on a GPU (the host's bookkeeping
+    runs ahead of the device's queue) and where neither is there (a lower stage without the
+    rehearsed table: the run's own bucket handling is kept as it is, inside its step)."""
+    if m.device != "cpu":
         return 0.0
-    return cc.stage3_management_s
+    rehearsed = m.counted_calls is not None and bool(m.counted_calls.management_s)
+    if stage == m.stage:
+        return stage3_management_s(m) if m.stage == 3 or not rehearsed else _own(m)
+    return rehearsed_management_s(m, stage) or 0.0
+
+
+def _own(m: Measured) -> float:
+    return 0.0 if m.comm_phase_host_s is None else max(m.comm_phase_host_s, 0.0)
 
 
 def _exposed_share(m: Measured) -> float:
@@ -595,6 +634,7 @@ __all__ = [
     "comm_thread_cpu_s",
     "contention",
     "counted_comm_seconds",
+    "management_s",
     "overlap_cpu_per_comm_s",
     "predict",
     "reference_bandwidth",
