@@ -18,9 +18,11 @@ device, max over ranks). Each run costs a few seconds of two CPU cores. It print
 and the load average at its start and end, the base run's contention (predict.contention:
 1 with the host to itself), and runs the base configuration once more at the end: the
 spread of the base runs is the noise the predictions are judged against. `--repeat K` runs
-K rounds of the base and every change, interleaved, and compares the medians (the
-predictions of each round's base run, the measurements of each change), so that a burst of
-load from another job moves one run of K, not the table.
+K rounds of the base and every change, interleaved (each round runs the base, then the
+changes, in the reverse order every other round), and compares the medians (the
+predictions of each round's base run, the measurements of each change: the same statistic
+on both sides), so that a burst of load from another job, or a run caught on a slow spell
+of the host, moves one run of K, not the table.
 """
 
 from __future__ import annotations
@@ -129,7 +131,10 @@ def _base(url: str, a: argparse.Namespace, stage: str) -> list[tuple[float, floa
             preds_of.setdefault(pred["change"], []).append(pred)
         if preds:
             contention.append(preds[0]["basis"].get("contention", 1.0))
-        for change in changes:
+        # Every other round runs the changes in the reverse order, so that no change always
+        # runs right after the base or last in a round (a drift of the host's speed over a
+        # round then moves the changes alike, not one more than another).
+        for change in changes if r % 2 == 0 else changes[::-1]:
             run_id = _train(url, _args_for(change["config"], base), a.steps)
             measured_of.setdefault(change["change"], []).append(_measured(url, run_id))
     base_steps.append(_measured(url, _train(url, base, a.steps))[0])
@@ -140,11 +145,12 @@ def _base(url: str, a: argparse.Namespace, stage: str) -> list[tuple[float, floa
     if contention:
         print("contention (step less its waits over the CPU its threads used; 1: the host "
               f"to itself): {', '.join(f'{c:.2f}' for c in contention)}")  # fmt: skip
-    manage = [p["basis"]["stage3_management_s_now"] for ps in preds_of.values() for p in ps
-              if "stage3_management_s_now" in p["basis"]]  # fmt: skip
-    if manage and stage == "3":
-        print(f"stage 3's parameter management (communication phases outside the "
-              f"collective waits): {statistics.median(manage) * 1e3:.1f} ms a step")  # fmt: skip
+    manage = [p["basis"]["management_s_now"] for ps in preds_of.values() for p in ps
+              if "management_s_now" in p["basis"]]  # fmt: skip
+    if manage:
+        print(f"the base's communication path on the training thread (communication phases "
+              f"outside the collective waits): {statistics.median(manage) * 1e3:.1f} ms a "
+              "step")  # fmt: skip
     print(f"\n{'change':<40} {'step pred':>9} {'measured':>9} {'err':>6}   "
           f"{'state pred':>10} {'measured':>9} {'err':>6}")  # fmt: skip
     errs: list[tuple[float, float]] = []
@@ -180,10 +186,11 @@ def _print_counted_calls(url: str, run_id: str) -> None:
     )
     print(f"collective calls a step as the engine counts them (reduce_bucket_size "
           f"{table['reduce_bucket_size']:,}): {by_stage}")  # fmt: skip
-    rehearsed = table.get("stage3_management_s")
-    if rehearsed is not None:
-        print(f"stage 3's parameter management as the engine timed it at initialization "
-              f"(engine/rehearsal.py): {rehearsed * 1e3:.2f} ms a step")  # fmt: skip
+    rehearsed = table.get("management_s")
+    if rehearsed:
+        print("each stage's communication path on the training thread as the engine rehearsed "
+              "it at initialization (engine/rehearsal.py): " + ", ".join(
+                  f"stage {st} {v * 1e3:.2f} ms" for st, v in sorted(rehearsed.items())))  # fmt: skip
 
 
 def _summary(errs: list[tuple[float, float]], prefix: str = "") -> None:
