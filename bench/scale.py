@@ -247,7 +247,7 @@ def run_backend(name: str, args: argparse.Namespace) -> None:
         print(f"\n## {name} ({args.ranks} ranks, load {os.getloadavg()[0]:.1f}; the agent's "
               f"batching: a flush every {interval:g} s, {per_request} steps a POST at a step "
               f"every {args.step_time_s:g} s)")  # fmt: skip
-        worker_counts = [1, 2] if name == "postgres" else [1]
+        worker_counts = [int(w) for w in args.workers.split(",")] if name == "postgres" else [1]
         ingest_rows = []
         for workers in worker_counts:
             # Each repeat on a fresh server: a run of its own, the same requests.
@@ -318,6 +318,8 @@ def main() -> None:
     ap.add_argument(
         "--skip-reads", action="store_true", help="ingest only (no fill, reads or storage)"
     )
+    ap.add_argument("--workers", default="1,2",
+                    help="server processes to measure ingest with, on PostgreSQL (SQLite: 1)")  # fmt: skip
     ap.add_argument("--clients", type=int, default=2)
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--query-steps", type=int, default=1000)

@@ -23,6 +23,9 @@ storage is the *rank-step*, never the individual collective call:
 - `dirty_steps`: (run, step) pairs whose per-rank rows changed since their rollup was
   written, with a version that every ingest bumps (the compactor clears a mark only if the
   version it read is still there, so a late rank is never lost).
+- `fresh_blocks`: with several server processes, the metric columns of fresh rank-steps
+  that one process converted for another's compactor (read/fresh.py), a row per group of
+  rank-steps; a cache in the database, deleted once that compactor has taken it.
 - `run_totals`: per run, running totals the compactor keeps by deltas (steps skipped or
   non-finite, the latency histogram of each collective op summed over ranks): /metrics
   reads them in one query whatever the run's length.
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, Float, Index, Integer, Text
+from sqlalchemy import JSON, BigInteger, Boolean, Float, Index, Integer, LargeBinary, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -232,6 +235,23 @@ class DirtyStep(Base):
     since: Mapped[float] = mapped_column(Float)
 
 
+class FreshBlock(Base):
+    """Fresh rank-steps of one run, as metric columns, published by the server process that
+    stored them for the one that rolls the run up (read/fresh.py: `pack`)."""
+
+    __tablename__ = "fresh_blocks"
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    run: Mapped[int] = mapped_column(Integer, index=True)
+    #: Rank-steps it holds.
+    n: Mapped[int] = mapped_column(Integer)
+    #: Server time it was published (old ones are deleted: nobody took them).
+    created: Mapped[float] = mapped_column(Float)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
 class RunTotal(Base):
     """A running total of one run, kept by the compactor (see the module docstring)."""
 
@@ -253,12 +273,14 @@ collectives = Collective.__table__
 spans = SpanSet.__table__
 step_rollups = StepRollup.__table__
 dirty_steps = DirtyStep.__table__
+fresh_blocks = FreshBlock.__table__
 run_totals = RunTotal.__table__
 
 __all__ = [
     "Base",
     "Collective",
     "DirtyStep",
+    "FreshBlock",
     "RankState",
     "Run",
     "RunTag",
@@ -268,6 +290,7 @@ __all__ = [
     "StepRollup",
     "collectives",
     "dirty_steps",
+    "fresh_blocks",
     "rank_states",
     "run_tags",
     "run_totals",

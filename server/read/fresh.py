@@ -21,10 +21,26 @@ databases and JSON). The cache is bounded (`max_rank_steps`: once full, newer ra
 are not kept), and steps leave it when they are rolled up or after `max_age_s` (with
 several server processes, another process's compactor may roll them up): it is a
 shortcut, never a source of truth.
+
+Several server processes (PostgreSQL: `serve --workers N`, or servers behind a load
+balancer): each stores part of every step, and one of them rolls a run up (the one whose
+compactor holds the run's claim, rollups.py). Its cache holds only its own part; the rest,
+read back from the rows, cost that compactor 30-47 us per rank-step of the step with two
+processes (half of them rows). So a process whose compactor found a run claimed by another
+*shares* that run (`share`): what it holds of it, and from then on its rank-steps of it
+at most `share_delay_s` after their commit (converted with whatever else waits), are
+published, packed (`pack`: the same columns, bytes for bytes; one row per converted
+group), in the `fresh_blocks` table. The claiming compactor takes them into its own cache
+at the start of its round (`take_shared`: deleted as they are read, so each is taken
+once) and matches them by (rank, seq) like its own. A block that comes too late, or not
+at all, only sends its ranks down the row path; blocks nobody took are deleted after
+`MAX_AGE_S` (rollups.Compactor.sweep_shared); the table holds at most
+`MAX_SHARED_RANK_STEPS` (past that, rank-steps are not published: their rows serve).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -35,10 +51,14 @@ from operator import itemgetter
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Engine
+import orjson
+from sqlalchemy import Connection, Engine, delete, func, insert, select
+from zerowatch.server import models as m
 from zerowatch.server.read.vocabulary import rank_table
 
 from zerowatch import events as ev
+
+log = logging.getLogger(__name__)
 
 N_BUCKETS = len(ev.LATENCY_BUCKETS) + 1
 #: Rank-steps kept at most: 32 steps of a 4,096-rank run (about 1 KB each).
@@ -46,6 +66,11 @@ MAX_RANK_STEPS = 131_072
 #: Seconds a step is kept at most: a step is rolled up once its ranks are in (16 s after its
 #: first at 4,096 ranks), or after `rollup_incomplete_s` (30 s) without them.
 MAX_AGE_S = 120.0
+#: Seconds a shared run's stored rank-steps wait before they are converted and published
+#: (with more of them: converting costs as much again in small groups).
+SHARE_DELAY_S = 0.2
+#: Rank-steps the `fresh_blocks` table holds at most (all processes together; ~0.7 KB each).
+MAX_SHARED_RANK_STEPS = 262_144
 
 
 @dataclass(slots=True)
@@ -114,6 +139,57 @@ class _Piece:
     seqs: np.ndarray  # int64
 
 
+def pack(
+    block: Block, at: np.ndarray, steps: np.ndarray, ranks: np.ndarray, seqs: np.ndarray
+) -> bytes:
+    """Rank-steps `at` (ascending) of `block`, which are (step, rank, seq) `steps[i]`,
+    `ranks[i]`, `seqs[i]`, as bytes (`unpack` gives them back, every value the same): a
+    JSON header (metric names; per op its histograms' integer type and its sums' count),
+    then steps, ranks, seqs, the metric values and, per op, its histograms, latency sums and
+    the rank-step of each sum, as raw little-endian arrays."""
+    n = len(at)
+    ops = []
+    arrays = [steps.astype("<i8"), ranks.astype("<i8"), seqs.astype("<i8"),
+              block.values[:, at].astype("<f8")]  # fmt: skip
+    for op, hist in block.hists.items():
+        h = hist[at]
+        lats, rows = block.latency_sums[op]
+        sel = np.isin(rows, at)
+        # A rank-step's calls of one op per bucket: a few hundred at most, so a narrow type.
+        dtype = next(t for t in ("<u2", "<u4", "<i8") if h.size == 0 or (
+            h.min() >= 0 and h.max() <= np.iinfo(t).max))  # fmt: skip
+        ops.append([op, dtype, int(sel.sum())])
+        arrays += [h.astype(dtype), lats[sel].astype("<f8"),
+                   np.searchsorted(at, rows[sel]).astype("<i4")]  # fmt: skip
+    header = orjson.dumps({"n": n, "names": block.names, "ops": ops})
+    return b"".join([len(header).to_bytes(4, "little"), header, *(a.tobytes() for a in arrays)])
+
+
+def unpack(data: bytes) -> tuple[Block, np.ndarray, np.ndarray, np.ndarray]:
+    """What `pack` packed: a block of its own and its rank-steps' steps, ranks and seqs."""
+    size = int.from_bytes(data[:4], "little")
+    header = orjson.loads(data[4 : 4 + size])
+    n, names = header["n"], header["names"]
+    at = 4 + size
+
+    def take(dtype: str, count: int, as_: type = np.int64) -> np.ndarray:
+        nonlocal at
+        a = np.frombuffer(data, dtype=dtype, count=count, offset=at)
+        at += a.nbytes
+        return a.astype(as_)  # native, and a copy the block owns
+
+    steps, ranks, seqs = (take("<i8", n) for _ in range(3))
+    values = take("<f8", len(names) * n, np.float64).reshape(len(names), n)
+    hists: dict[str, np.ndarray] = {}
+    sums: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for op, dtype, k in header["ops"]:
+        hists[op] = take(dtype, n * N_BUCKETS).reshape(n, N_BUCKETS)
+        sums[op] = (take("<f8", k, np.float64), take("<i4", k))
+    if at != len(data):
+        raise ValueError(f"a packed fresh block of {len(data)} bytes holds {at}")
+    return Block(list(names), values, hists, sums), steps, ranks, seqs
+
+
 @dataclass(slots=True)
 class Found:
     """The rank-steps of one step the cache holds, among those asked for: `ranks`
@@ -165,6 +241,23 @@ class FreshSteps:
         self.refused = 0
         #: Readers' rollups of dirty steps (rollups._live).
         self.live = LiveMemo()
+        #: Runs another process's compactor rolls up: their rank-steps are published.
+        self._shared: set[int] = set()
+        #: Packed blocks to publish: (run, rank-steps, data).
+        self._outbox: list[tuple[int, int, bytes]] = []
+        #: Seconds a shared run's rank-steps wait to be converted with more.
+        self.share_delay_s = SHARE_DELAY_S
+        self._pending_since = 0.0
+        self._publish_lock = threading.Lock()
+        #: The database that `publish` writes to (set by `of`); None: nothing is published.
+        self.engine: weakref.ReferenceType[Engine] | None = None
+        #: Rank-steps published, and not published because the table was full.
+        self.published = 0
+        self.unpublished = 0
+        #: Rank-steps taken from what other processes published (`take_shared`).
+        self.taken = 0
+        self._room_checked = -1.0
+        self._room = 0
 
     def __len__(self) -> int:
         return self._size + len(self._pending)
@@ -180,6 +273,7 @@ class FreshSteps:
         """Keep committed rank-steps: `rows[i]` a steps row, `colls[i]` its collectives
         rows, tuples in the order of `row_columns` (which name the run, rank, seq and step)
         and `coll_columns`, JSON columns as Python values (see `block_of`)."""
+        now = time.monotonic()
         with self._lock:
             if self._columns != (row_columns, coll_columns):
                 self._convert()
@@ -188,12 +282,28 @@ class FreshSteps:
             # rolled up (and, in a recovery storm, the first whose ranks have all arrived).
             room = max(self.max_rank_steps - self._size - len(self._pending), 0)
             self.refused += max(len(rows) - room, 0)
+            if not self._pending:
+                self._pending_since = now
             self._pending.extend(zip(rows[:room], colls[:room], strict=True))
-            if len(self._pending) >= self.convert_rows:
+            # A shared run's rank-steps wait at most `share_delay_s`: the claiming
+            # compactor rolls a step up `settle_s` after its last rank-step came.
+            if len(self._pending) >= self.convert_rows or (
+                self._shared and now - self._pending_since >= self.share_delay_s
+            ):
                 self._convert()
+        self.publish()
+
+    def flush_shared(self) -> None:
+        """Publish the shared runs' rank-steps that wait (the compactor's tick: the last
+        ones of a run, which no later group pushes out)."""
+        with self._lock:
+            if self._shared:
+                self._convert()
+        self.publish()
 
     def _convert(self) -> None:
-        """Turn the pending rows into blocks (the lock held)."""
+        """Turn the pending rows into blocks, and pack those of shared runs for `publish`
+        (the lock held)."""
         if not self._pending:
             return
         row_columns, coll_columns = self._columns
@@ -206,7 +316,6 @@ class FreshSteps:
             rows.append(row)
             cs.append(colls)
         self._pending = []
-        now = time.monotonic()
         for pk, (rows, cs) in by_run.items():
             block = block_of(rows, cs, row_columns=row_columns, coll_columns=coll_columns)
             n = len(rows)
@@ -214,17 +323,26 @@ class FreshSteps:
                 np.fromiter(map(itemgetter(at), rows), dtype=np.int64, count=n)
                 for at in (step_at, rank_at, seq_at)
             )
-            # The block's rank-steps step by step (one piece per step, no loop over rows).
-            order = np.argsort(steps, kind="stable")
-            for part in np.split(order, np.flatnonzero(np.diff(steps[order])) + 1):
-                key = (pk, int(steps[part[0]]))
-                pieces = self._steps.get(key)
-                if pieces is None:
-                    pieces = self._steps[key] = []
-                    self._born[key] = now
-                pieces.append(_Piece(block, part, ranks[part], seqs[part]))
-                self._size += len(part)
-        self._expire(now)
+            if pk in self._shared:
+                self._outbox.append((pk, n, pack(block, np.arange(n), steps, ranks, seqs)))
+            self._place(pk, block, steps, ranks, seqs)
+        self._expire(time.monotonic())
+
+    def _place(
+        self, pk: int, block: Block, steps: np.ndarray, ranks: np.ndarray, seqs: np.ndarray
+    ) -> None:
+        """Keep a block's rank-steps of run `pk` step by step (one piece per step, no loop
+        over rows; the lock held)."""
+        now = time.monotonic()
+        order = np.argsort(steps, kind="stable")
+        for part in np.split(order, np.flatnonzero(np.diff(steps[order])) + 1):
+            key = (pk, int(steps[part[0]]))
+            pieces = self._steps.get(key)
+            if pieces is None:
+                pieces = self._steps[key] = []
+                self._born[key] = now
+            pieces.append(_Piece(block, part, ranks[part], seqs[part]))
+            self._size += len(part)
 
     def _expire(self, now: float) -> None:
         """Forget steps older than `max_age_s` (the lock held): with several server
@@ -241,28 +359,110 @@ class FreshSteps:
     ) -> tuple[Found, np.ndarray]:
         """Which of the rank-steps asked for this cache holds: `ranks` (int64, ascending,
         unique) and `seqs` name the database's newest row of each rank of the step. Returns
-        what it holds, and the ranks it does not hold (another process stored them, or they
-        came before this one started), ascending."""
+        what it holds, and a mask of those it does not hold (another process stored them
+        and did not publish them, or they came before this one started)."""
         with self._lock:
             self._convert()
             pieces = list(self._steps.get((pk, step)) or ())
-        hit = _held(pieces, ranks, seqs)
-        found = Found(ranks[hit[0] >= 0] if len(ranks) else ranks, [])
+        self.publish()
+        which, at = _held(pieces, ranks, seqs)
+        found = Found(ranks[which >= 0] if len(ranks) else ranks, [])
         if len(found.ranks):
-            which, at = hit
             pos = np.cumsum(which >= 0) - 1
             for i in np.unique(which[which >= 0]).tolist():
                 sel = which == i
                 found.parts.append((pieces[i].block, at[sel], pos[sel]))
-        missing = ranks[hit[0] < 0]
+        missing = which < 0
         with self._lock:
-            if not len(missing):
+            if not missing.any():
                 self.hits += 1
             elif len(found.ranks):
                 self.partial += 1
             else:
                 self.misses += 1
         return found, missing
+
+    def share(self, pk: int) -> None:
+        """Another process rolls run `pk` up: publish what this cache holds of it, and from
+        now on its rank-steps as they are stored (see the module docstring). What it holds
+        stays here too, for this process's readers (until `retain` drops it)."""
+        with self._lock:
+            if pk in self._shared:
+                return
+            self._convert()
+            self._shared.add(pk)
+            for (run, step), pieces in self._steps.items():
+                if run == pk:
+                    for p in pieces:
+                        steps = np.full(len(p.at), step, dtype=np.int64)
+                        data = pack(p.block, p.at, steps, p.ranks, p.seqs)
+                        self._outbox.append((pk, len(p.at), data))
+        self.publish()
+
+    def own(self, pk: int) -> None:
+        """This process rolls run `pk` up: publish none of it."""
+        with self._lock:
+            self._shared.discard(pk)
+
+    def retain(self, pk: int, dirty: Sequence[int]) -> None:
+        """Keep only the `dirty` steps of shared run `pk`: another process rolled the others
+        up (and its compactor discards them, not this one's)."""
+        keep = set(dirty)
+        with self._lock:
+            for key in [k for k in self._steps if k[0] == pk and k[1] not in keep]:
+                self._size -= _count(self._steps.pop(key))
+                del self._born[key]
+
+    def publish(self) -> None:
+        """Write the packed blocks waiting to the database, in one transaction (while the
+        table has room: `MAX_SHARED_RANK_STEPS`)."""
+        with self._lock:
+            out, self._outbox = self._outbox, []
+        engine = self.engine() if self.engine is not None else None
+        if not out or engine is None:
+            return
+        n = sum(k for _, k, _ in out)
+        try:
+            self._write(engine, out, n)
+        except Exception:  # a shortcut: the rows are stored, and serve
+            log.exception("publishing fresh rank-steps")
+            self.unpublished += n
+
+    def _write(self, engine: Engine, out: list[tuple[int, int, bytes]], n: int) -> None:
+        b = m.fresh_blocks
+        with self._publish_lock, engine.begin() as conn:
+            now = time.time()
+            if now - self._room_checked >= 1.0:  # one count a second, not one a group
+                self._room_checked = now
+                used = conn.execute(select(func.coalesce(func.sum(b.c.n), 0))).scalar()
+                self._room = MAX_SHARED_RANK_STEPS - int(used or 0)
+            if n > self._room:
+                self.unpublished += n
+                return
+            self._room -= n
+            conn.execute(
+                insert(b),
+                [{"run": pk, "n": k, "created": now, "data": data} for pk, k, data in out],
+            )
+            self.published += n
+
+    def take_shared(self, conn: Connection, pk: int) -> int:
+        """Take what other processes published of run `pk` into this cache (this process's
+        compactor rolls it up): deleted from the table in the caller's transaction, so each
+        block is taken once. Returns the rank-steps taken."""
+        b = m.fresh_blocks
+        got = conn.execute(delete(b).where(b.c.run == pk).returning(b.c.id, b.c.data)).all()
+        taken = 0
+        with self._lock:
+            for _, data in sorted(got):  # in the order they were published
+                block, steps, ranks, seqs = unpack(bytes(data))
+                if self._size + len(steps) > self.max_rank_steps:
+                    self.refused += len(steps)
+                    continue
+                self._place(pk, block, steps, ranks, seqs)
+                taken += len(steps)
+        self.taken += taken
+        return taken
 
     def discard(self, pk: int, steps: Sequence[int]) -> None:
         """Forget the steps of run `pk` (rolled up, or thinned by retention)."""
@@ -281,6 +481,8 @@ class FreshSteps:
             for key in [k for k in self._steps if k[0] == pk]:
                 self._size -= _count(self._steps.pop(key))
                 del self._born[key]
+            self._shared.discard(pk)
+            self._outbox = [o for o in self._outbox if o[0] != pk]
 
 
 def _count(pieces: list[_Piece]) -> int:
@@ -423,7 +625,11 @@ def of(engine: Engine) -> FreshSteps:
         cache = _CACHES.get(engine)
         if cache is None:
             cache = _CACHES[engine] = FreshSteps()
+            cache.engine = weakref.ref(engine)
         return cache
 
 
-__all__ = ["Block", "Found", "FreshSteps", "LiveMemo", "StepColumns", "block_of", "columns", "of"]
+__all__ = [
+    "Block", "Found", "FreshSteps", "LiveMemo", "StepColumns", "block_of", "columns", "of",
+    "pack", "unpack",
+]  # fmt: skip

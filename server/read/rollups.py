@@ -29,8 +29,9 @@ How the rollups stay exact:
 Quantiles are linear interpolations between order statistics (numpy's default); ties for
 the min or max name the lowest rank. Several server processes may compact at once: on
 PostgreSQL each claims the runs it rolls up with a session advisory lock that the others
-skip (no step is computed twice), and a transaction-scoped advisory lock per run
-serialises the writes of one run with retention.
+skip (no step is computed twice), kept while the run has steps to roll up; the others
+publish their part of its fresh steps for it (fresh.py); and a transaction-scoped advisory
+lock per run serialises the writes of one run with retention.
 
 Retention (`Retention`): per-rank rows of steps older than the newest `full_steps` are
 thinned to every `every`-th step; rollups are kept whole. A late rank of a thinned step is
@@ -255,10 +256,10 @@ def compute(
                 from_rows.append(step)
                 continue
             cols = fresh.columns(found)
-            if len(missing):  # the ranks another process stored: their rows only
-                rest = _columns_from_rows(conn, pk, [step], ranks=missing.tolist()).get(step)
-                if rest is not None:
-                    cols = cols.merged(rest)
+            if missing.any():  # stored by another process and not published: their rows
+                rest = _columns_from_rows(conn, pk, [step], ranks=ranks[missing].tolist())
+                if step in rest:
+                    cols = cols.merged(rest[step])
             out[step] = _summarize_columns(cols)
         for step, cols in _columns_from_rows(conn, pk, from_rows).items():
             out[step] = _summarize_columns(cols)
@@ -678,6 +679,7 @@ class Compactor:
         retention: Retention | None = None,
         retention_interval_s: float = 30.0,
         gate: ReadGate | None = None,
+        claim_idle_s: float = 60.0,
     ) -> None:
         self.db = db
         #: Reads in flight that the compactor steps aside for (read_gate.py); None: never.
@@ -692,6 +694,12 @@ class Compactor:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one compaction at a time in this process
         self._last_retention = 0.0
+        self._last_sweep = 0.0
+        #: PostgreSQL: the runs this compactor claimed (run -> when it last had steps to
+        #: roll up), held by advisory locks on `_lock_conn` (see `_claim`).
+        self._claims: dict[int, float] = {}
+        self._lock_conn: Connection | None = None
+        self.claim_idle_s = claim_idle_s
         #: Steps rolled up since start (tests, the benchmark).
         self.compacted = 0
 
@@ -708,6 +716,8 @@ class Compactor:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        with self._lock:
+            self._drop_claims()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -715,6 +725,9 @@ class Compactor:
                 while self.run_once() >= self.max_steps and not self._stop.is_set():
                     pass
                 now = time.time()
+                if now - self._last_sweep >= self.retention_interval_s:
+                    self._last_sweep = now
+                    self.sweep_shared(now)
                 if (
                     self.retention.full_steps
                     and now - self._last_retention >= self.retention_interval_s
@@ -735,14 +748,32 @@ class Compactor:
         """Roll up at most `max_steps` dirty steps. Returns how many were taken."""
         now = time.time() if now is None else now
         d = m.dirty_steps.c
-        with self._lock, self._claim() as claimed:
+        cache = fresh.of(self.db.engine)
+        with self._lock:
+            self._release_idle_claims(time.time())
             with self.db.read() as conn:
                 ready = [d.since <= now - self.settle_s] if settle else []
-                runs = [int(pk) for pk in
-                        conn.execute(select(d.run).where(*ready).distinct()).scalars()]  # fmt: skip
-                runs = [pk for pk in runs if claimed(pk)]
-                if not runs:
-                    return 0
+                # Every run with dirty steps is claimed (or found claimed) at once, settled or
+                # not: the other processes start to share their part of its steps before the
+                # first of them is rolled up.
+                runs = [int(pk) for pk in conn.execute(select(d.run).distinct()).scalars()]
+                theirs = [pk for pk in runs if not self._claim(pk, time.time())]
+                for pk in theirs:  # rolled up elsewhere: hold only what is still dirty
+                    cache.retain(
+                        pk, conn.execute(select(d.step).where(d.run == pk)).scalars().all()
+                    )
+                runs = [pk for pk in runs if pk not in theirs]
+                b = m.fresh_blocks.c
+                published = [pk for pk in runs
+                             if conn.execute(select(b.id).where(b.run == pk).limit(1)).first()]  # fmt: skip
+            cache.flush_shared()
+            if published:
+                with self.db.write() as conn:
+                    for pk in published:
+                        cache.take_shared(conn, pk)
+            if not runs:
+                return 0
+            with self.db.read() as conn:
                 q = select(d.run, d.step, d.version, d.since).where(d.run.in_(runs), *ready)
                 marks = conn.execute(q.order_by(d.run, d.step).limit(self.max_steps)).all()
                 if settle:
@@ -763,7 +794,6 @@ class Compactor:
                     )
                     for pk, items in by_run.items()
                 }
-            cache = fresh.of(self.db.engine)
             for pk, items in by_run.items():
                 self._write(pk, items, computed[pk], horizons[pk])
                 cache.discard(pk, [st for st, _ in items])
@@ -803,32 +833,60 @@ class Compactor:
             keep += [mk for mk in items if mk.since <= old or counts.get(int(mk.step), 0) >= world]
         return keep
 
-    @contextlib.contextmanager
-    def _claim(self) -> Iterator[Callable[[int], bool]]:
-        """Runs this compactor may roll up now. On PostgreSQL, where every server process
-        runs a compactor, a run is claimed with a session advisory lock that the others
-        skip (`pg_try_advisory_lock`), so two processes never compute the same steps; the
-        locks go when the round ends. SQLite has one process: every run is its own."""
+    def _claim(self, pk: int, now: float) -> bool:
+        """Whether this compactor may roll run `pk` up now. SQLite has one process: every
+        run is its own. On PostgreSQL, where every server process runs a compactor, a run
+        is claimed with a session advisory lock that the others skip
+        (`pg_try_advisory_lock`), so two processes never compute the same steps. A claim
+        is kept while the run has steps to roll up (released after `claim_idle_s` without,
+        or when the process ends: PostgreSQL drops a session's locks with it), so the
+        other processes know to publish their part of its steps (fresh.py: `share`)."""
         if self.db.dialect != "postgresql":
-            yield lambda pk: True
-            return
-        held: list[int] = []
-        with self.db.engine.connect() as lock_conn:
-
-            def claim(pk: int) -> bool:
-                got = lock_conn.execute(
+            return True
+        cache = fresh.of(self.db.engine)
+        if pk in self._claims:
+            self._claims[pk] = now
+            return True
+        try:
+            if self._lock_conn is None:
+                self._lock_conn = self.db.engine.connect()
+            got = bool(
+                self._lock_conn.execute(
                     text("SELECT pg_try_advisory_lock(7078, :pk)"), {"pk": pk}
                 ).scalar()
-                if got:
-                    held.append(pk)
-                return bool(got)
+            )
+            self._lock_conn.commit()
+        except Exception:
+            self._drop_claims()  # a broken session holds no locks
+            raise
+        if got:
+            self._claims[pk] = now
+            cache.own(pk)
+        else:
+            cache.share(pk)
+        return got
 
-            try:
-                yield claim
-            finally:
-                for pk in held:
-                    lock_conn.execute(text("SELECT pg_advisory_unlock(7078, :pk)"), {"pk": pk})
-                lock_conn.commit()
+    def _release_idle_claims(self, now: float) -> None:
+        idle = [pk for pk, t in self._claims.items() if now - t > self.claim_idle_s]
+        if not idle or self._lock_conn is None:
+            return
+        try:
+            for pk in idle:
+                self._lock_conn.execute(text("SELECT pg_advisory_unlock(7078, :pk)"), {"pk": pk})
+                del self._claims[pk]
+            self._lock_conn.commit()
+        except Exception:
+            self._drop_claims()
+            raise
+
+    def _drop_claims(self) -> None:
+        """Give every claim up: the lock session is closed (its locks go with it)."""
+        self._claims.clear()
+        conn, self._lock_conn = self._lock_conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.invalidate()
+                conn.close()
 
     def _horizon(self, conn: Connection, pk: int) -> int:
         t = m.run_totals.c
@@ -886,6 +944,14 @@ class Compactor:
                         tuple_(d.c.run, d.c.step, d.c.version).in_(pairs[i : i + _CHUNK])
                     )
                 )
+
+    def sweep_shared(self, now: float) -> int:
+        """Delete published fresh blocks older than `fresh.MAX_AGE_S` (no compactor took
+        them: the run's claim went away). Returns how many."""
+        b = m.fresh_blocks
+        with self.db.write() as conn:
+            gone = conn.execute(delete(b).where(b.c.created < now - fresh.MAX_AGE_S))
+            return int(gone.rowcount or 0)
 
     def apply_retention(self) -> int:
         """Thin old per-rank rows of every run (see Retention). Returns rank-steps deleted."""

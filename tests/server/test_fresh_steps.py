@@ -247,3 +247,121 @@ def test_held_finds_each_newest_row_with_the_later_copy_winning() -> None:
             i = int(np.flatnonzero(ranks == r)[0])
             want = (1, 100 + i - 30) if i >= 30 else (0, i)  # the later copy wins
             assert (which[r], at[r]) == want, r
+
+
+def test_rank_steps_another_process_published_are_used_like_its_own(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two server processes on one database: the one that does not roll the run up shares
+    it (its compactor found the run claimed), so what it held and what it stores from then
+    on is published; the other's compactor takes that into its cache and matches it by
+    (rank, seq) like its own, with the rows of a writer that published nothing, and never a
+    published row that a newer one replaced. The rollups equal those from the rows."""
+    from sqlalchemy import func, select
+    from zerowatch.server import models as m
+
+    rng = random.Random(5)
+    rc = simulate.run_create(SPEC)
+    pk, _ = store.create_run(db, run=rc)
+    events = _events(rng, 6)
+    theirs = [e for e in events if e.rank % 2]  # the other process's ranks
+    third = {(4, 1), (4, 3)}  # stored without a cache (rows only)
+    replaced = (5, 3)  # stored by the other process, then again by this one, newer
+    second = Database.open(db.engine.url.render_as_string(hide_password=False))
+    try:
+        other_cache = fresh.of(second.engine)
+        other_cache.share_delay_s = 0.0
+        ingestor = Ingestor(second)
+        try:
+            early = [e for e in theirs if e.step < 2]
+            ingestor.submit(run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, early))
+        finally:
+            ingestor.close()
+        assert len(other_cache) == len(early) and other_cache.published == 0
+        other_cache.share(pk)  # its compactor found the run claimed
+        assert other_cache.published == len(early)
+        late = [e for e in theirs if e.step >= 2 and (e.step, e.rank) not in third]
+        ingestor = Ingestor(second)
+        try:
+            for i in range(0, len(late), 4):
+                ingestor.submit(run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, late[i : i + 4]))
+        finally:
+            ingestor.close()
+        other_cache.flush_shared()
+        assert other_cache.published == len(early) + len(late)
+        rows_only = [e for e in theirs if (e.step, e.rank) in third]
+        store.ingest_batch(second, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, rows_only))
+        other_cache.retain(pk, [5])  # the others were rolled up elsewhere
+        assert len(other_cache) == len([e for e in theirs if e.step == 5])
+    finally:
+        second.close()
+    mine = [e for e in events if not e.rank % 2]
+    mine += [dataclasses.replace(e, seq=e.seq + 1000, step_time_s=e.step_time_s * 3)
+             for e in theirs if (e.step, e.rank) == replaced]  # fmt: skip
+    ingestor = Ingestor(db)
+    try:
+        ingestor.submit(run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, mine))
+    finally:
+        ingestor.close()
+
+    cache = fresh.of(db.engine)
+    with db.write() as conn:
+        assert cache.take_shared(conn, pk) == len(early) + len(late)
+    with db.read() as conn:  # taken once
+        assert conn.execute(select(func.count()).select_from(m.fresh_blocks)).scalar() == 0
+    steps = list(range(6))
+    with db.read() as conn:
+        got = rollups.compute(conn, pk, steps)
+    want = _from_rows(db, pk, steps, monkeypatch)
+    assert got == want
+    # Every step from the columns but step 4, whose two rows-only ranks came from the rows.
+    assert (cache.hits, cache.partial, cache.misses) == (5, 1, 0)
+    assert got[5]["step_time_s"].max == max(
+        [e.step_time_s for e in events if e.step == 5 and (e.step, e.rank) != replaced]
+        + [3 * e.step_time_s for e in events if (e.step, e.rank) == replaced]
+    )
+    assert rollups.Compactor(db).flush() == 6
+
+
+def test_pack_gives_back_every_value_and_old_blocks_are_swept(sqlite_url: str) -> None:
+    import numpy as np
+    from sqlalchemy import func, insert, select
+    from zerowatch.server import models as m
+
+    rng = np.random.default_rng(3)
+    n = 9
+    hists = {"all_gather": rng.integers(0, 5, (n, fresh.N_BUCKETS)),
+             "all_reduce": rng.integers(0, 2**40, (n, fresh.N_BUCKETS))}  # fmt: skip
+    sums = {op: (rng.random(2 * n), rng.integers(0, n, 2 * n)) for op in hists}
+    values = rng.random((3, n))
+    values[1, 4] = np.nan
+    block = fresh.Block(["a", "b", "c"], values, hists, sums)
+    at = np.array([1, 4, 7], dtype=np.int64)
+    steps, ranks, seqs = np.array([4, 4, 5]), np.array([3, 0, 9]), np.array([2**41, 5, 6])
+    data = fresh.pack(block, at, steps, ranks, seqs)
+    back, got_steps, got_ranks, got_seqs = fresh.unpack(data)
+    assert got_steps.tolist() == [4, 4, 5] and got_ranks.tolist() == [3, 0, 9]
+    assert got_seqs.tolist() == [2**41, 5, 6] and back.names == ["a", "b", "c"]
+    np.testing.assert_array_equal(back.values, values[:, at])
+    for op, h in hists.items():
+        np.testing.assert_array_equal(back.hists[op], h[at])
+        assert back.hists[op].dtype == np.int64
+        lats, rows = sums[op]
+        sel = np.isin(rows, at)
+        got_lats, got_rows = back.latency_sums[op]
+        np.testing.assert_array_equal(got_lats, lats[sel])
+        np.testing.assert_array_equal(at[got_rows], rows[sel])
+    with pytest.raises(ValueError, match="holds"):
+        fresh.unpack(data + b"x")
+
+    db = Database.open(sqlite_url)
+    try:
+        b = m.fresh_blocks
+        with db.write() as conn:
+            for created in (1.0, 1000.0):
+                conn.execute(insert(b).values(run=1, n=3, created=created, data=data))
+        assert rollups.Compactor(db).sweep_shared(1000.0 + fresh.MAX_AGE_S - 1) == 1
+        with db.read() as conn:
+            assert conn.execute(select(func.count()).select_from(b)).scalar() == 1
+    finally:
+        db.close()

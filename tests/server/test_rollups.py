@@ -125,18 +125,82 @@ def test_compactors_of_several_server_processes_never_compute_the_same_run(pg_se
             pks.append(store.create_run(db, run=rc)[0])
             for events in simulate.steps(spec, 6):
                 store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, events))
-        a, b = rollups.Compactor(db), rollups.Compactor(db)
-        with a._claim() as claim_a:
-            assert claim_a(pks[0])  # A holds the first run (as if computing it)
+        a, b = rollups.Compactor(db), rollups.Compactor(db, claim_idle_s=0.0)
+        try:
+            assert a._claim(pks[0], time.time())  # A holds the first run
             assert b.flush() == 6  # B rolls up only the other run
             with db.read() as conn:
                 assert rollups.dirty_in(conn, pks[0]) == list(range(6))
                 assert rollups.dirty_in(conn, pks[1]) == []
-        assert b.flush() == 6  # released: now the first run
-        with db.read() as conn:
-            assert rollups.dirty_in(conn, pks[0]) == []
+            assert a._claim(pks[0], time.time())  # kept: a claim outlives the round
+            assert b.flush() == 0
+        finally:
+            a.close()  # its session ends: the claim goes with it
+        try:
+            assert b.flush() == 6  # now the first run
+            with db.read() as conn:
+                assert rollups.dirty_in(conn, pks[0]) == []
+            time.sleep(0.01)
+            b.run_once()  # idle claims are released at the next round
+            assert b._claims == {}
+        finally:
+            b.close()
     finally:
         db.close()
+
+
+def test_a_server_process_shares_its_part_of_a_run_another_process_rolls_up(pg_server) -> None:
+    """Two server processes on one PostgreSQL (two engines, each with its own cache): the
+    one whose compactor finds the run claimed publishes its part of the steps, and the
+    claiming compactor rolls every step up from the two caches alone (no row read back), to
+    the same rollups as from the rows."""
+    import uuid
+
+    from zerowatch.server.ingest import Ingestor
+    from zerowatch.server.read import fresh
+
+    url = str(pg_server.create_database("share_" + uuid.uuid4().hex[:10]))
+    db_a, db_b = Database.open(url), Database.open(url)
+    a, b = rollups.Compactor(db_a), rollups.Compactor(db_b)
+    try:
+        spec = simulate.SimSpec(world_size=6, stage=3, spans_every=0, seed=3)
+        rc = simulate.run_create(spec)
+        pk = store.create_run(db_a, run=rc)[0]
+        steps = list(simulate.steps(spec, 5))
+        ingest_a, ingest_b = Ingestor(db_a), Ingestor(db_b)
+        try:
+            for i, events in enumerate(steps):  # both processes store part of every step
+                for ingestor, part in ((ingest_a, events[::2]), (ingest_b, events[1::2])):
+                    ingestor.submit(run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, part))
+                if i == 1:  # B's compactor finds the run A claimed: B shares from now on
+                    assert a._claim(pk, time.time())
+                    ingest_b.close()  # (what B's writer holds is in its cache)
+                    assert b.run_once(settle=False) == 0
+                    ingest_b = Ingestor(db_b)
+        finally:
+            ingest_a.close()
+            ingest_b.close()
+        cache_a, cache_b = fresh.of(db_a.engine), fresh.of(db_b.engine)
+        cache_b.flush_shared()
+        assert cache_b.published == 5 * 3  # B's three ranks of every step
+        want = {}
+        with db_a.read() as conn:
+            for events in steps:
+                step = events[0].step
+                want[step] = rollups._columns_from_rows(conn, pk, [step])[step]
+        assert a.flush() == 5
+        assert cache_a.taken == 5 * 3
+        assert (cache_a.hits, cache_a.partial, cache_a.misses) == (5, 0, 0)
+        with db_a.read() as conn:
+            stored = rollups.read(conn, pk, None, extra=True)
+        for step, cols in want.items():
+            for name, st in rollups._summarize_columns(cols).items():
+                assert stored[name][step] == pytest.approx(st), (step, name)
+    finally:
+        a.close()
+        b.close()
+        db_a.close()
+        db_b.close()
 
 
 def test_a_settled_step_waits_for_its_missing_ranks_unless_nobody_wrote_to_it_for_long(
