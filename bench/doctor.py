@@ -22,7 +22,11 @@ K rounds of the base and every change, interleaved (each round runs the base, th
 changes, in the reverse order every other round), and compares the medians (the
 predictions of each round's base run, the measurements of each change: the same statistic
 on both sides), so that a burst of load from another job, or a run caught on a slow spell
-of the host, moves one run of K, not the table.
+of the host, moves one run of K, not the table. A run that shared its cores with another
+process (contention above UNDISTURBED, as predict.contention works it out from the run's
+own clocks: the doctor's predictions are for the job with the host to itself) is left out
+of its medians while another run of the same configuration is not, base rounds and
+changes alike, and marked with * in the table.
 """
 
 from __future__ import annotations
@@ -68,21 +72,47 @@ def _train(url: str, args: list[str], steps: int) -> str:
     return run_id
 
 
-def _measured(url: str, run_id: str) -> tuple[float, float]:
-    """(step time, device model-state bytes): the step time as the doctor measures a run it
-    predicts from (the median over the steps of its window, after the warm-up steps, of
-    the per-step median over ranks), so that both sides of a comparison are one statistic."""
-    window = httpx.get(f"{url}/api/v1/runs/{run_id}/findings", timeout=30).json()["window"]
-    got = httpx.get(f"{url}/api/v1/runs/{run_id}/series", params={"metric": "step_time_s"},
+#: A run whose contention (predict.contention) is above this shared its cores with another
+#: process: the doctor's replays call the runs at or below it undisturbed.
+UNDISTURBED = 1.05
+
+
+def _window_median(url: str, run_id: str, metric: str, window: list[int]) -> float | None:
+    """The median over the window's steps of the per-step median over ranks (None: no such
+    metric), as the doctor reads a run (doctor_evidence.Evidence.median)."""
+    got = httpx.get(f"{url}/api/v1/runs/{run_id}/series", params={"metric": metric},
                     timeout=30).json()  # fmt: skip
-    steps = [v for st, v in zip(got["steps"], got["stats"]["p50"], strict=True)
-             if window[0] <= st <= window[1]]  # fmt: skip
+    vals = [v for st, v in zip(got["steps"], got["stats"]["p50"], strict=True)
+            if window[0] <= st <= window[1] and v is not None]  # fmt: skip
+    return float(statistics.median(vals)) if vals else None
+
+
+def _measured(url: str, run_id: str) -> tuple[float, float, float]:
+    """(step time, device model-state bytes, contention): the step time as the doctor
+    measures a run it predicts from (the median over the steps of its window, after the
+    warm-up steps, of the per-step median over ranks), so that both sides of a comparison
+    are one statistic; the contention as predict.contention works it out from the same
+    medians (the step less its waits over the CPU its threads used; 1: the host to
+    itself)."""
+    window = httpx.get(f"{url}/api/v1/runs/{run_id}/findings", timeout=30).json()["window"]
+    step = _window_median(url, run_id, "step_time_s", window)
+    assert step is not None
+    exposed = _window_median(url, run_id, "exposed_comm_s", window) or 0.0
+    cpu = [_window_median(url, run_id, m, window) for m in ("thread_cpu_s", "other_cpu_s")]
+    own = sum(max(c, 0.0) for c in cpu if c is not None)
+    contention = (step - exposed) / own if None not in cpu and own > 0 else 1.0
     state = 0.0  # device model state: the kinds not offloaded to the host
     for kind in ("params", "grads", "optimizer_states", "master_weights"):
         mem = httpx.get(f"{url}/api/v1/runs/{run_id}/series",
                         params={"metric": f"memory.state.{kind}"}, timeout=30).json()  # fmt: skip
         state += statistics.median(mem["stats"]["max"]) if mem["stats"]["max"] else 0.0
-    return float(statistics.median(steps)), float(state)
+    return step, float(state), max(contention, 1.0)
+
+
+def _undisturbed(contention: list[float]) -> list[int]:
+    """The runs to compare: those at or below UNDISTURBED, or all when none is."""
+    kept = [i for i, c in enumerate(contention) if c <= UNDISTURBED]
+    return kept or list(range(len(contention)))
 
 
 def _args_for(config: dict[str, Any], base: list[str]) -> list[str]:
@@ -107,14 +137,15 @@ def _base(url: str, a: argparse.Namespace, stage: str) -> list[tuple[float, floa
     base = ["--stage", stage, *a.extra.split()]
     base_steps: list[float] = []
     contention: list[float] = []
-    preds_of: dict[str, list[dict[str, Any]]] = {}
-    measured_of: dict[str, list[tuple[float, float]]] = {}
+    preds_of: dict[str, list[list[dict[str, Any]]]] = {}  # per round
+    measured_of: dict[str, list[tuple[float, float, float]]] = {}
     changes: list[dict[str, Any]] = []
     now_state = 0.0
     for r in range(max(a.repeat, 1)):
         base_id = _train(url, base, a.steps)
-        now_step, now_state = _measured(url, base_id)
+        now_step, now_state, now_c = _measured(url, base_id)
         base_steps.append(now_step)
+        contention.append(now_c)
         found = httpx.get(f"{url}/api/v1/runs/{base_id}/findings", timeout=30).json()
         if r == 0:
             _print_counted_calls(url, base_id)
@@ -128,9 +159,9 @@ def _base(url: str, a: argparse.Namespace, stage: str) -> list[tuple[float, floa
         if r == 0:
             changes = preds[: a.max_changes]
         for pred in preds:
-            preds_of.setdefault(pred["change"], []).append(pred)
-        if preds:
-            contention.append(preds[0]["basis"].get("contention", 1.0))
+            preds_of.setdefault(pred["change"], [[] for _ in range(max(a.repeat, 1))])[r].append(
+                pred
+            )
         # Every other round runs the changes in the reverse order, so that no change always
         # runs right after the base or last in a round (a drift of the host's speed over a
         # round then moves the changes alike, not one more than another).
@@ -138,15 +169,17 @@ def _base(url: str, a: argparse.Namespace, stage: str) -> list[tuple[float, floa
             run_id = _train(url, _args_for(change["config"], base), a.steps)
             measured_of.setdefault(change["change"], []).append(_measured(url, run_id))
     base_steps.append(_measured(url, _train(url, base, a.steps))[0])
+    rounds = _undisturbed(contention)
     runs = ", ".join(f"{s * 1e3:.1f}" for s in base_steps)
     print(f"\nbase: stage {stage} {' '.join(a.extra.split())}: step "
-          f"{statistics.median(base_steps[:-1]) * 1e3:.1f} ms (runs: {runs} ms, the last "
-          f"after the changes), model state {now_state / 2**20:.2f} MiB")  # fmt: skip
-    if contention:
-        print("contention (step less its waits over the CPU its threads used; 1: the host "
-              f"to itself): {', '.join(f'{c:.2f}' for c in contention)}")  # fmt: skip
-    manage = [p["basis"]["management_s_now"] for ps in preds_of.values() for p in ps
-              if "management_s_now" in p["basis"]]  # fmt: skip
+          f"{statistics.median(base_steps[i] for i in rounds) * 1e3:.1f} ms (runs: {runs} ms, "
+          f"the last after the changes), model state {now_state / 2**20:.2f} MiB")  # fmt: skip
+    print("contention (step less its waits over the CPU its threads used; 1: the host to "
+          f"itself): {', '.join(f'{c:.2f}' for c in contention)}; runs above {UNDISTURBED} "
+          "(shared cores) are left out of the medians on both sides while another is not "
+          "(* below)")  # fmt: skip
+    manage = [p["basis"]["management_s_now"] for ps in preds_of.values() for r in rounds
+              for p in ps[r] if "management_s_now" in p["basis"]]  # fmt: skip
     if manage:
         print(f"the base's communication path on the training thread (communication phases "
               f"outside the collective waits): {statistics.median(manage) * 1e3:.1f} ms a "
@@ -156,14 +189,18 @@ def _base(url: str, a: argparse.Namespace, stage: str) -> list[tuple[float, floa
     errs: list[tuple[float, float]] = []
     for change in changes:
         name = change["change"]
-        pred_step = statistics.median(p["step_time_s"] for p in preds_of[name])
-        pred_state = statistics.median(p["model_state_bytes"] for p in preds_of[name])
-        step = statistics.median(s for s, _ in measured_of[name])
-        state = statistics.median(m for _, m in measured_of[name])
+        mine = [p for r in rounds for p in preds_of[name][r]]
+        pred_step = statistics.median(p["step_time_s"] for p in mine)
+        pred_state = statistics.median(p["model_state_bytes"] for p in mine)
+        got = measured_of[name]
+        kept = _undisturbed([c for _, _, c in got])
+        step = statistics.median(got[i][0] for i in kept)
+        state = statistics.median(m for _, m, _ in got)
         es, em = pred_step / step - 1, pred_state / state - 1
         errs.append((es, em))
-        runs = ("  (" + ", ".join(f"{s * 1e3:.1f}" for s, _ in measured_of[name]) + ")"
-                if len(measured_of[name]) > 1 else "")  # fmt: skip
+        runs = ("  (" + ", ".join(f"{s * 1e3:.1f}{'' if i in kept else '*'}"
+                                  for i, (s, _, _) in enumerate(got)) + ")"
+                if len(got) > 1 or not kept else "")  # fmt: skip
         print(f"{name:<40} {pred_step * 1e3:>7.1f}ms {step * 1e3:>7.1f}ms "
               f"{es:>+6.0%}   {pred_state / 2**20:>8.2f}Mi "
               f"{state / 2**20:>7.2f}Mi {em:>+6.0%}{runs}")  # fmt: skip
