@@ -96,3 +96,29 @@ def _whole(rank: int, world: int, zc: ZeroConfig) -> dict[int, float] | None:
     return management_s(model, _params(model), zc, comm=Comm(ObserverRegistry()),
                         world_size=world, rank=rank, gradient_accumulation_steps=1,
                         device=torch.device("cpu"), dtype=torch.float32)  # fmt: skip
+
+
+def _budget(rank: int, world: int) -> dict[str, Any]:
+    rehearsal.BUDGET_S = 0.0  # every rank: past the budget after the first measured round
+    micro_batch, rounds = rehearsal._Stage3._micro_batch, [0]
+
+    def counted(self: Any) -> None:
+        rounds[0] += 1
+        micro_batch(self)
+
+    rehearsal._Stage3._micro_batch = counted  # type: ignore[method-assign]
+    model = make_model()
+    got = management_s(model, _params(model), _zc(), comm=Comm(ObserverRegistry()),
+                       world_size=world, rank=rank, gradient_accumulation_steps=1,
+                       device=torch.device("cpu"), dtype=torch.float32)  # fmt: skip
+    probe = torch.tensor([float(rank + 1)])
+    dist.all_reduce(probe)
+    return {"got": got, "rounds": rounds[0], "sum": float(probe.item())}
+
+
+def test_past_its_budget_the_rehearsal_stops_on_every_rank_alike() -> None:
+    """A large model's rounds take long: past BUDGET_S the ranks agree to stop after the
+    warm-up round and one measured round, and their calls still pair up."""
+    for r in run_ranks(_budget, 2):
+        assert r["rounds"] == 2 and set(r["got"]) == {0, 1, 2, 3}
+        assert r["sum"] == 3.0

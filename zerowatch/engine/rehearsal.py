@@ -1,5 +1,6 @@
-"""Stage 3's parameter management, rehearsed on this job's own parameters and process group
-at initialization: what a run at stage 0-2 cannot measure in its steps.
+"""Each stage's communication path on the training thread, rehearsed on this job's own
+parameters and process group at initialization: what a run cannot measure in its steps for
+the stages it does not run.
 
 At stage 3 the training thread, around every use of a unit (engine/params_sharded.py) and
 every reduction of its gradients (reducers.MicroBatchReducer), takes a flat buffer from the
@@ -8,31 +9,41 @@ units' ahead of need: prefetch), waits for it, points the unit's parameters at v
 buffer, registers a gradient hook on the unit's outputs, puts the parameters back to empty
 and lets the buffer go; in backward it gathers the unit again, copies its gradients into a
 staging buffer, issues their reduce-scatter and waits for the older ones beyond the
-in-flight bound. A stage-1 or -2 run does none of this, so the doctor cannot see its cost
-in the run's steps (docs/doctor.md, "Stage 3's parameter management"); a stage-3 run
-measures it as the time of its communication phases not spent blocked in a collective's
-wait (`comm_phase_host_s`).
+in-flight bound. Stages 0-2 have a lighter path of their own: per reduce bucket, stage 0
+all-reduces and stage 1 reduce-scatters on the step's last micro-batch, waited for at the
+end of backward; stage 2 stages and reduce-scatters every micro-batch within its in-flight
+bound; stages 1-2 all-gather the updated parts after the optimizer step. A run measures its
+own stage's path as the time of its communication phases not spent blocked in a
+collective's wait (`comm_phase_host_s`, docs/doctor.md), and not the other stages'.
 
-The engine rehearses that path, with the same definition: it lays out stage 3's units with
-the function that lays itself out (`stages.stage3_units`, as counts.py does) and goes
-through one optimizer step of them, as often as a step does (every unit gathered in each
-forward, counts._forward_gathers, and once in backward; one reduce-scatter per unit and
-micro-batch), issuing the real collectives on the job's process group through the engine's
-`Comm`, asynchronously, with stage 3's prefetch (`stage3_prefetch_bucket_size`,
-`stage3_max_live_parameters`) and in-flight bound (twice `reduce_bucket_size`). A unit
-gathered in forward stays referenced until its backward, as the weights a module saves for
-its backward keep the gathered buffer (buffers.BufferPool), so forward gathers get fresh
-buffers as in a step. The figure is the pass's wall time less the time the training thread
-was blocked in `wait()`: its own bookkeeping, the issuing of the calls, and the time the
-backend's threads, running beside it, took its core or the interpreter from it. `PASSES`
-passes, the fastest kept (the least disturbed by other work on the host). Every rank runs
-the same rehearsal (the same units, the same calls, in the same order), so the collectives
-match; nothing reaches the engine's observers (none is attached during initialization).
+The engine rehearses every stage's path with the same definition. It lays the stages out
+with the functions that lay itself out (`flat.bucket`, `stages.stage3_units`, as counts.py
+does) and goes through one optimizer step of each, as often as a step does (stage 3: every
+unit gathered in each forward, counts._forward_gathers, and once in backward, with its
+prefetch, `stage3_prefetch_bucket_size` and `stage3_max_live_parameters`, its in-flight
+bound, twice `reduce_bucket_size`, and its persistent parameters' all-reduces; stages 0-2:
+their buckets), issuing the real collectives on the job's process group, asynchronously,
+through a `Comm` of its own whose one observer sums each call's exposed seconds (blocked in
+`wait()`, up to the call's end: the thread's wake-up after it is not exposed, as for the
+agent). A unit gathered in forward stays referenced until its backward, as the weights a
+module saves for its backward keep the gathered buffer (buffers.BufferPool), so forward
+gathers get fresh buffers as in a step; stages 0-2's calls read and write one scratch
+buffer (their values do not matter, and the ring runs one call at a time), so the
+rehearsal never holds a second copy of the model. A stage's figure is its step's wall time
+less the calls' exposed seconds: the bookkeeping, the issuing of the calls, and the
+wake-ups after the waits that blocked. Round by round, every stage once a round; the first
+round fills the pools (a run's warm-up steps) and the median of the other `PASSES` counts
+(a run's figure is a median over its steps), fewer past `BUDGET_S`. Every rank runs the
+same rehearsal (the same calls, in the same order, and the same number of rounds), so the
+collectives match; nothing reaches the engine's observers.
 
-What it still leaves out: the hook dispatch inside the model's forward and backward, and
-what the gathers' communication threads take from compute on a host whose cores the ranks
-hold (the comm threads' CPU, priced by the doctor per ring pass). The parameters' tensors
-are put back as they were: training is unchanged.
+What it leaves out: the hook dispatch inside the model's forward and backward, and the
+compute that runs in a step between a call's issue and its wait. That cuts both ways:
+where a step's calls complete during compute (stage 1's reduce-scatters, issued in
+backward and waited for after it) the rehearsal's waits block where the step's do not and
+it overstates the path; where compute keeps the cores busy when a wait ends (stage 3,
+gathering just ahead of use) a step's wake-ups take longer and it understates it. The
+parameters' tensors are put back as they were: training is unchanged.
 
 On a GPU the host does this bookkeeping ahead of the device's queue and it costs the step
 only where the host falls behind; the doctor does not price it there, and it is not
@@ -61,6 +72,8 @@ from zerowatch.engine.stages import ParamList, stage3_units
 #: Rehearsed steps after a first one (which fills the pools, as a run's warm-up steps do):
 #: their median counts, as the run's own figure is a median over its steps.
 PASSES = 5
+#: Seconds of rehearsal after which no further round starts (one measured round at least).
+BUDGET_S = 2.0
 #: How long to wait for the last calls' reports after a pass (they come from the backend's
 #: thread just after the calls complete).
 REPORT_TIMEOUT_S = 1.0
@@ -297,7 +310,7 @@ def management_s(module: nn.Module, params: ParamList, zc: ZeroConfig, *, comm: 
                  device: torch.device, dtype: torch.dtype) -> dict[int, float] | None:  # fmt: skip
     """{stage: seconds per optimizer step of that stage's communication path on the training
     thread, outside the collectives' waits} for stages 0-2 and, where some parameter is
-    sharded at stage 3, stage 3 (the median of PASSES rehearsals each: module docstring);
+    sharded at stage 3, stage 3 (the median of its rehearsals: module docstring);
     None where nothing is rehearsed: one rank, or a GPU (the host runs ahead of the device
     there and the doctor does not price it). Every rank must call it alike: it
     communicates.
@@ -334,7 +347,16 @@ def management_s(module: nn.Module, params: ParamList, zc: ZeroConfig, *, comm: 
     # Round by round, every stage once, so that a spell of other work on the host falls on
     # the stages alike; the first round fills the pools (a run's warm-up steps).
     seconds: dict[int, list[float]] = {stage: [] for stage in paths}
-    for _ in range(PASSES + 1):
+    started = time.perf_counter()
+    for done in range(PASSES + 1):
+        # A large model's rounds take long (each is a step's communication of every
+        # stage): past BUDGET_S after a measured round, no more, decided by every rank
+        # together (a sum of their votes) so that their calls keep matching.
+        if done >= 2:
+            vote = torch.tensor([float(time.perf_counter() - started > BUDGET_S)])
+            quiet.all_reduce(vote, purpose="other")
+            if vote.item() > 0:
+                break
         for stage, path in paths.items():
             with exposed.lock:
                 exposed.seconds, exposed.calls = 0.0, 0
@@ -350,4 +372,4 @@ def management_s(module: nn.Module, params: ParamList, zc: ZeroConfig, *, comm: 
     return {stage: max(statistics.median(got[1:]), 0.0) for stage, got in seconds.items()}
 
 
-__all__ = ["PASSES", "management_s"]
+__all__ = ["BUDGET_S", "PASSES", "management_s"]
