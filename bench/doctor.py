@@ -2,7 +2,7 @@
 each changed configuration, and print predicted against measured step time and per-rank
 model-state memory.
 
-    python bench/doctor.py [--stage 3,1] [--max-changes 6] [--steps 30] [--repeat 1]
+    python bench/doctor.py [--stage 3,1] [--max-changes 6] [--steps 52] [--repeat 1]
 
 It starts a zerowatch server (temp SQLite), trains the example GPT with 2 gloo ranks on CPU
 (tests/support/doctor_job.py, one run at a time), reads `GET /api/v1/runs/{id}/findings`,
@@ -44,8 +44,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from zerowatch.server.read.doctor_settings import DoctorSettings
 
 JOB = Path(__file__).parents[1] / "tests" / "support" / "doctor_job.py"
+#: Steps that fill the doctor's window after its warm-up steps (DoctorSettings): a step of
+#: the bench model varies by a third from one to the next and the host has slow spells of
+#: about a second, so the run's median is taken over as many steps as the doctor reads.
+WHOLE_WINDOW = DoctorSettings().warmup_steps + DoctorSettings().window_steps
 MODEL = ["--d-model", "128", "--seq-len", "64", "--micro-batch", "8"]
 
 
@@ -245,7 +250,10 @@ def main() -> None:
     p.add_argument("--stage", default="3,1",
                    help="the base configurations' stages, one table each (default: 3 and 1, "
                    "so that the changes go both ways)")  # fmt: skip
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=WHOLE_WINDOW,
+                   help="steps a run (default: the doctor's warm-up and whole window, so "
+                   "that each run's statistic is the median of as many steps as the doctor "
+                   "reads)")  # fmt: skip
     p.add_argument("--max-changes", type=int, default=6)
     p.add_argument("--extra", default="", help="more job arguments for the base run")
     p.add_argument("--repeat", type=int, default=1,
