@@ -763,9 +763,11 @@ class Compactor:
                         pk, conn.execute(select(d.step).where(d.run == pk)).scalars().all()
                     )
                 runs = [pk for pk in runs if pk not in theirs]
-                b = m.fresh_blocks.c
-                published = [pk for pk in runs
-                             if conn.execute(select(b.id).where(b.run == pk).limit(1)).first()]  # fmt: skip
+                published: list[int] = []
+                if self.db.dialect == "postgresql" and runs:  # SQLite: one process, no others
+                    b = m.fresh_blocks.c
+                    sent = set(conn.execute(select(b.run).distinct()).scalars())
+                    published = [pk for pk in runs if pk in sent]
             cache.flush_shared()
             if published:
                 with self.db.write() as conn:
