@@ -7,7 +7,8 @@ announcer of phase boundaries), flat (segments), params_replicated / params_shar
 (parameter owners), reducers (gradient reducers), stages (which parts make each stage),
 optim (master weights and the step), precision (loss scaling), schedulers, checkpoint,
 counts (the collective calls each stage makes per step, counted at initialization),
-rehearsal (stage 3's parameter management, timed at initialization), engine (the facade).
+rehearsal (each stage's communication path on the training thread, rehearsed with the real
+collectives at initialization on a CPU run, for the doctor), engine (the facade).
 
 Importing this package imports nothing of the engine: the names below load on first use
 (module `__getattr__`), so that `zerowatch.engine.hooks`, the observer interface the agent's
