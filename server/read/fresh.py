@@ -362,9 +362,8 @@ class FreshSteps:
         what it holds, and a mask of those it does not hold (another process stored them
         and did not publish them, or they came before this one started)."""
         with self._lock:
-            self._convert()
+            self._convert()  # a shared run's packed blocks wait for the writer or the tick
             pieces = list(self._steps.get((pk, step)) or ())
-        self.publish()
         which, at = _held(pieces, ranks, seqs)
         found = Found(ranks[which >= 0] if len(ranks) else ranks, [])
         if len(found.ranks):
@@ -409,9 +408,8 @@ class FreshSteps:
         up (and its compactor discards them, not this one's)."""
         keep = set(dirty)
         with self._lock:
-            for key in [k for k in self._steps if k[0] == pk and k[1] not in keep]:
-                self._size -= _count(self._steps.pop(key))
-                del self._born[key]
+            done = [step for run, step in self._steps if run == pk and step not in keep]
+        self.discard(pk, done)
 
     def publish(self) -> None:
         """Write the packed blocks waiting to the database, in one transaction (while the
