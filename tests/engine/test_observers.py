@@ -4,6 +4,7 @@ per-step stats, and the engine's descriptive attributes."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ from support.engine_harness import run_ranks
 from support.engine_scenarios import CLIP, TINY, ds_config, make_model, train_engine
 
 import zerowatch
-from zerowatch.engine import CollectiveRecord
+from zerowatch.engine import CollectiveRecord, params_sharded
 
 TOP = {"forward", "backward", "optimizer_step"}
 NESTED = {"grad_reduce", "param_gather", "offload_d2h", "offload_h2d"}
@@ -202,3 +203,40 @@ def test_single_process_without_torchrun_trains_and_matches_adamw() -> None:
     assert err < 1e-5, key
     assert engine.model_state_bytes() == engine.theory().flat() | {
         "optimizer_states": engine.model_state_bytes()["optimizer_states"]}  # fmt: skip
+
+
+def _forward_releases(rank: int, world: int) -> dict[str, Any]:
+    """A stage-3 run whose releases are timed: when each unit went back to its shard."""
+    cfg = ds_config(3)
+    engine, *_ = zerowatch.initialize(model=make_model(), config=cfg)
+    rec = Recorder()
+    engine.add_observer(rec)
+    released: list[float] = []
+    release = params_sharded.ShardedParams.release
+
+    def timed(self: params_sharded.ShardedParams, seg: Any) -> None:
+        released.append(time.perf_counter())
+        release(self, seg)
+
+    params_sharded.ShardedParams.release = timed  # type: ignore[method-assign]
+    train_engine(engine, TINY, 2, 1, world, rank)
+    return {"events": rec.events, "released": released}
+
+
+def _intervals(events: list[tuple[str, str, float]], phase: str) -> list[tuple[float, float]]:
+    starts = [t for kind, p, t in events if p == phase and kind == "start"]
+    ends = [t for kind, p, t in events if p == phase and kind == "end"]
+    return list(zip(starts, ends, strict=True))
+
+
+def test_stage3_releases_after_a_modules_forward_are_parameter_management() -> None:
+    """Stage 3's management after a module's forward (its units released, the hook that
+    gathers them again for backward) is announced as param_gather, as the gather before it:
+    not the module's compute in the step's parts, and so in the doctor's measure of the
+    stage's path, which the engine's rehearsal counts alike (docs/timing.md)."""
+    for got in run_ranks(_forward_releases, 2, timeout_s=120):
+        forward = _intervals(got["events"], "forward")
+        gathers = _intervals(got["events"], "param_gather")
+        in_forward = [t for t in got["released"] if any(a <= t <= b for a, b in forward)]
+        assert in_forward  # the tiny model's units are released in its forward
+        assert all(any(a <= t <= b for a, b in gathers) for t in in_forward)

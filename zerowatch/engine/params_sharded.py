@@ -155,16 +155,21 @@ class ShardedParams:
         self._fetch(units, "forward")
 
     def _post_forward(self, module: nn.Module, _args: Any, output: Any) -> None:
-        if torch.is_grad_enabled():
-            leaves, _ = tree_flatten(output)
-            tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, partial(self._pre_backward, module), mode="any")  # fmt: skip
-        for u in self._module_units[module]:
-            u.users -= 1
-            if u.users == 0 and not self._reused_soon(u):
-                self.release(u.seg)
+        # The management after a module's forward (the hook that gathers its units again for
+        # backward, their release) is parameter management like the gather before it, and is
+        # announced as param_gather: not the module's compute (the step's parts, and the
+        # doctor's measure of stage 3's path, which the engine's rehearsal counts alike).
+        with self.phases.phase("param_gather"):
+            if torch.is_grad_enabled():
+                leaves, _ = tree_flatten(output)
+                tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+                if tensors:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        tensors, partial(self._pre_backward, module), mode="any")  # fmt: skip
+            for u in self._module_units[module]:
+                u.users -= 1
+                if u.users == 0 and not self._reused_soon(u):
+                    self.release(u.seg)
 
     def _pre_backward(self, module: nn.Module, *_grads: Any) -> None:
         self._fetch(self._module_units[module], "backward")
@@ -289,12 +294,14 @@ class ShardedParams:
         self._cursor[mode] = 0
 
     def end_pass(self, mode: str) -> None:
-        """After a forward or backward: release what prefetch gathered and nobody used."""
-        for u in self.units.values():
-            if u.users == 0:
-                self.release(u.seg)
-        if mode == "backward" or not torch.is_grad_enabled():
-            self.pool.clear()  # between steps the engine holds its model states alone
+        """After a forward or backward: release what prefetch gathered and nobody used
+        (parameter management: announced as param_gather, as in `_post_forward`)."""
+        with self.phases.phase("param_gather"):
+            for u in self.units.values():
+                if u.users == 0:
+                    self.release(u.seg)
+            if mode == "backward" or not torch.is_grad_enabled():
+                self.pool.clear()  # between steps the engine holds its model states alone
         if self._order[mode] and not self._recorded[mode]:
             self._recorded[mode] = True
             if mode == "forward":
