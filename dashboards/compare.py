@@ -98,7 +98,7 @@ def _theory_diamonds(fig: go.Figure, x: list[str], totals: list[int], *, name: s
     theory = [t or None for t in totals]
     if any(theory):
         fig.add_trace(
-            go.Scatter(
+            th.scatter(
                 x=x,
                 y=th.scaled(theory, size),
                 name=name,
@@ -162,7 +162,7 @@ def step_phases(runs: Sequence[RunSummary]) -> go.Figure:
     step = [(r.step_time_mean_s if with_parts and r.step_time_mean_s is not None
              else r.step_time_s) for r in runs]  # fmt: skip
     fig.add_trace(
-        go.Scatter(
+        th.scatter(
             x=x,
             y=th.scaled(step, 1e-3),
             name="step time",
@@ -206,7 +206,7 @@ def tradeoff(runs: Sequence[RunSummary]) -> go.Figure:
     yu, ys = _byte_unit([sum(v for v in r.comm_bytes.values() if v) for r in runs])
     for i, (label, r) in enumerate(zip(_labels(runs), runs, strict=True)):
         fig.add_trace(
-            go.Scatter(
+            th.scatter(
                 x=[sum(r.model_state.values()) / xs],
                 y=[sum(v for v in r.comm_bytes.values() if v) / ys],
                 name=label,

@@ -43,8 +43,10 @@ _ARRAYS = ("x", "y", "z")
 
 def _compact(values: Any) -> Any:
     """A trace's array with its floats cut to DIGITS significant digits (nested for z)."""
-    if isinstance(values, list):
+    if isinstance(values, (list, tuple)):
         return [_compact(v) for v in values]
+    if hasattr(values, "tolist"):  # an array of objects (numbers and None) plotly kept as is
+        return _compact(values.tolist())
     if isinstance(values, float) and math.isfinite(values):
         return float(f"{values:.{DIGITS}g}")
     return values
@@ -53,16 +55,17 @@ def _compact(values: Any) -> Any:
 def figure_dict(fig: go.Figure) -> dict[str, Any]:
     """A figure as the plain {data, layout} dict Plotly.newPlot / Plotly.react take, its
     traces' numbers cut to DIGITS significant digits."""
-    out: dict[str, Any] = json.loads(json.dumps(fig.to_plotly_json(), cls=PlotlyJSONEncoder))
+    # Plotly's own deep copy; what JSON lacks (NaN, numpy scalars) `script_json` encodes.
+    out: dict[str, Any] = fig.to_plotly_json()
     data = out.get("data", [])
     for trace in data:
         for key in _ARRAYS:
-            if isinstance(trace.get(key), list):
+            if key in trace and not isinstance(trace[key], (str, dict)):
                 trace[key] = _compact(trace[key])
         err = trace.get("error_y")
         if isinstance(err, dict):
             for key in ("array", "arrayminus"):
-                if isinstance(err.get(key), list):
+                if key in err and not isinstance(err[key], (str, dict)):
                     err[key] = _compact(err[key])
     return {"data": data, "layout": out.get("layout", {})}
 

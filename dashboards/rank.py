@@ -113,7 +113,7 @@ def ratio_to_median(mine: Series, median: Series) -> float | None:
 
 def _line(s: Series, name: str, line: Mapping[str, object], hover: str, factor: float = 1.0,
           **kw: Any) -> go.Scatter:  # fmt: skip
-    return go.Scatter(x=list(s.steps), y=th.scaled(s.values, factor), name=name, mode="lines",
+    return th.scatter(x=list(s.steps), y=th.scaled(s.values, factor), name=name, mode="lines",
                       line=dict(line), hovertemplate=hover, **kw)  # fmt: skip
 
 

@@ -55,7 +55,7 @@ def step_parts(step_time: Series, parts: Mapping[str, Series], hidden_comm: Seri
     for name in [p for p in STEP_PARTS if parts.get(p)]:
         series = parts[name]
         fig.add_trace(
-            go.Scatter(
+            th.scatter(
                 x=list(series.steps), y=th.scaled(series.values, 1e-3),
                 name=th.PART_LABELS.get(name, th.text(name)), stackgroup="parts", mode="lines",
                 line={"width": 0.5, "color": th.PART_COLORS.get(name)},
@@ -64,13 +64,13 @@ def step_parts(step_time: Series, parts: Mapping[str, Series], hidden_comm: Seri
         )  # fmt: skip
     if step_time:
         fig.add_trace(
-            go.Scatter(x=list(step_time.steps), y=th.scaled(step_time.values, 1e-3),
+            th.scatter(x=list(step_time.steps), y=th.scaled(step_time.values, 1e-3),
                        name="step time", mode="lines", line={"color": "#2d3436", "width": 2},
                        hovertemplate="%{y:.3~f} ms")
         )  # fmt: skip
     if hidden_comm and any(v for v in hidden_comm.values if v):
         fig.add_trace(
-            go.Scatter(x=list(hidden_comm.steps), y=th.scaled(hidden_comm.values, 1e-3),
+            th.scatter(x=list(hidden_comm.steps), y=th.scaled(hidden_comm.values, 1e-3),
                        name="hidden communication (beside the stack)", mode="lines",
                        line={"color": th.EXPOSED_COLOR, "width": 2, "dash": "dot"},
                        hovertemplate="%{y:.3~f} ms (ran under compute)")
@@ -103,7 +103,7 @@ def step_breakdown(
         for s, v in zip(series.steps, series.values, strict=True):
             by_step[s] = by_step.get(s, 0.0) + (v or 0.0)
         fig.add_trace(
-            go.Scatter(
+            th.scatter(
                 x=list(series.steps),
                 y=th.scaled(series.values, 1e-3),
                 name=th.phase_label(name),
@@ -120,7 +120,7 @@ def step_breakdown(
         ]
         if any(o for o in other):
             fig.add_trace(
-                go.Scatter(
+                th.scatter(
                     x=list(step_time.steps),
                     y=th.scaled(other, 1e-3),
                     name=th.phase_label("other"),
@@ -133,13 +133,13 @@ def step_breakdown(
     for extra in sorted(p for p in phases if p not in PHASES and phases[p]):
         # A phase outside the vocabulary may nest inside a known one: a line, not the stack.
         fig.add_trace(
-            go.Scatter(x=list(phases[extra].steps), y=th.scaled(phases[extra].values, 1e-3),
+            th.scatter(x=list(phases[extra].steps), y=th.scaled(phases[extra].values, 1e-3),
                        name=th.phase_label(extra), mode="lines",
                        line={"width": 1.5, "dash": "dash"}, hovertemplate="%{y:.3~f} ms")
         )  # fmt: skip
     if step_time:
         fig.add_trace(
-            go.Scatter(
+            th.scatter(
                 x=list(step_time.steps),
                 y=th.scaled(step_time.values, 1e-3),
                 name="step time",
@@ -150,7 +150,7 @@ def step_breakdown(
         )
     if exposed_comm:
         fig.add_trace(
-            go.Scatter(
+            th.scatter(
                 x=list(exposed_comm.steps),
                 y=th.scaled(exposed_comm.values, 1e-3),
                 name="exposed communication",
@@ -196,14 +196,14 @@ def collectives(
         lat = latency.get(op)
         if lat:
             fig.add_trace(
-                go.Scatter(x=list(lat.steps), y=th.scaled(lat.values, 1e-3), name=th.op_label(op),
+                th.scatter(x=list(lat.steps), y=th.scaled(lat.values, 1e-3), name=th.op_label(op),
                            legendgroup=op, mode="lines", line={"color": color},
                            hovertemplate="%{y:.3~f} ms", **th.panel_axes(1))
             )  # fmt: skip
         bw = busbw.get(op)
         if bw:
             fig.add_trace(
-                go.Scatter(x=list(bw.steps), y=th.scaled(bw.values, th.GB), name=th.op_label(op),
+                th.scatter(x=list(bw.steps), y=th.scaled(bw.values, th.GB), name=th.op_label(op),
                            legendgroup=op, showlegend=not lat, mode="lines",
                            line={"color": color}, hovertemplate="%{y:.3~f} GB/s",
                            **th.panel_axes(2))
@@ -232,7 +232,7 @@ def bandwidth_vs_size(
         if not pts.sizes:
             continue
         fig.add_trace(
-            go.Scatter(
+            th.scatter(
                 x=list(pts.sizes),
                 y=th.scaled(pts.busbw, th.GB),
                 name=th.op_label(op),
@@ -267,7 +267,7 @@ def offload(bandwidth: Mapping[str, Series]) -> go.Figure:
         if not s:
             continue
         fig.add_trace(
-            go.Scatter(
+            th.scatter(
                 x=list(s.steps),
                 y=th.scaled(s.values, th.GB),
                 name=th.DIRECTION_LABELS.get(direction, th.text(direction)),
@@ -316,7 +316,7 @@ def training(
                          showlegend=False, hovermode="x unified")  # fmt: skip
 
     def line(s: Series, k: int, name: str, color: str, hover: str, **kw: object) -> None:
-        fig.add_trace(go.Scatter(x=list(s.steps), y=list(s.values), name=name, mode="lines",
+        fig.add_trace(th.scatter(x=list(s.steps), y=list(s.values), name=name, mode="lines",
                                  line={"color": color, **kw}, hovertemplate=hover,
                                  **th.panel_axes(k)))  # fmt: skip
 
@@ -325,7 +325,7 @@ def training(
         at = dict(zip(grad_norm.steps, grad_norm.values, strict=True))
         xs = [s for s in clipped_steps if at.get(s) is not None]
         fig.add_trace(
-            go.Scatter(x=xs, y=[at[s] for s in xs], name="clipped", mode="markers",
+            th.scatter(x=xs, y=[at[s] for s in xs], name="clipped", mode="markers",
                        marker={"symbol": "x", "color": th.EXPOSED_COLOR, "size": 8},
                        hovertemplate="clipped at step %{x}", **th.panel_axes(1))
         )  # fmt: skip
@@ -343,7 +343,7 @@ def training(
         if skipped_steps and not every_skipped:
             at = dict(zip(ls.steps, ls.values, strict=True))
             fig.add_trace(
-                go.Scatter(x=list(skipped_steps), y=[at.get(s) or 1.0 for s in skipped_steps],
+                th.scatter(x=list(skipped_steps), y=[at.get(s) or 1.0 for s in skipped_steps],
                            name="skipped step", mode="markers",
                            marker={"symbol": "triangle-down", "size": 9, "color": th.EXPOSED_COLOR},
                            hovertemplate="step %{x} skipped (overflow)", **th.panel_axes(4))
@@ -390,7 +390,7 @@ def rank_heatmap(
     fig = th.figure(title, height=max(240, min(640, 60 + 22 * len(grid.ranks))))
     z = [th.scaled(row, 1e-3) for row in grid.z]
     fig.add_trace(
-        go.Heatmap(
+        th.heatmap(
             x=list(grid.steps),
             y=[f"rank {r}" if b == 1 else f"ranks {r}-{r + b - 1}" for r in grid.ranks],
             z=z,

@@ -618,10 +618,15 @@ def newest_rolled_up(conn: Connection, pk: int, metric: str) -> int | None:
 def step_bounds(conn: Connection, pk: int) -> tuple[int, int] | None:
     """(first, last) step holding rollups or marks, or None for a run without steps."""
     r, d = m.step_rollups.c, m.dirty_steps.c
-    lo1, hi1 = conn.execute(
-        select(func.min(r.step), func.max(r.step)).where(r.run == pk, r.metric == "step_time_s")
-    ).one()
-    lo2, hi2 = conn.execute(select(func.min(d.step), func.max(d.step)).where(d.run == pk)).one()
+    # One aggregate per subquery: SQLite answers a lone min() or max() with one index seek,
+    # but both in one select with a scan of every step of the range (18 ms at 32,768 steps).
+    ends = [
+        select(agg(col)).where(*where).scalar_subquery()
+        for col, where in ((r.step, (r.run == pk, r.metric == "step_time_s")),
+                           (d.step, (d.run == pk,)))
+        for agg in (func.min, func.max)
+    ]  # fmt: skip
+    lo1, hi1, lo2, hi2 = conn.execute(select(*ends)).one()
     los = [x for x in (lo1, lo2) if x is not None]
     his = [x for x in (hi1, hi2) if x is not None]
     return (int(min(los)), int(max(his))) if los else None
