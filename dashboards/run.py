@@ -312,8 +312,11 @@ def training(
         panels.append("loss scale (every step skipped)" if every_skipped
                       else "loss scale (▼ skipped step)")  # fmt: skip
     n = len(panels)
+    # The learning rate's ticks (1.0e−4) are wider than the base margin: starting wider
+    # spares the second draw automargin would make.
     fig = th.rows_figure("Training signals", panels, height=170 * n + 80, gap=0.06,
-                         showlegend=False, hovermode="x unified")  # fmt: skip
+                         showlegend=False, hovermode="x unified",
+                         margin={"l": 76, "r": 24, "t": 56, "b": 48})  # fmt: skip
 
     def line(s: Series, k: int, name: str, color: str, hover: str, **kw: object) -> None:
         fig.add_trace(th.scatter(x=list(s.steps), y=list(s.values), name=name, mode="lines",
@@ -387,12 +390,17 @@ def rank_heatmap(
         title += f" — straggler: rank {found.rank} ({found.excess:+.0%} vs median rank)"
     else:
         title += " — no straggler"
-    fig = th.figure(title, height=max(240, min(640, 60 + 22 * len(grid.ranks))))
+    rows = [f"rank {r}" if b == 1 else f"ranks {r}-{r + b - 1}" for r in grid.ranks]
+    # Margins that start where the row labels (~6.5 px a character, the axis title beside)
+    # and the colour bar end: automargin would otherwise widen them and draw the chart twice.
+    left = 30 + round(6.5 * max((len(r) for r in rows), default=0))
+    fig = th.figure(title, height=max(240, min(640, 60 + 22 * len(grid.ranks))),
+                    margin={"l": max(64, left), "r": 116, "t": 56, "b": 48})  # fmt: skip
     z = [th.scaled(row, 1e-3) for row in grid.z]
     fig.add_trace(
         th.heatmap(
             x=list(grid.steps),
-            y=[f"rank {r}" if b == 1 else f"ranks {r}-{r + b - 1}" for r in grid.ranks],
+            y=rows,
             z=z,
             colorscale="YlOrRd",
             colorbar={"title": {"text": "ms"}},

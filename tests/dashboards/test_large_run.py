@@ -37,7 +37,10 @@ def big_server(tmp_path_factory):  # type: ignore[no-untyped-def]
     print(f"\nstored and rolled up {stored:,} rank-steps in {time.perf_counter() - t:.1f} s")
     db.close()
     assert stored >= RANK_STEPS
-    with LiveServer(db_url=db_url, settings={"stalled_after_s": 10**7}) as server:
+    # Every stored row stays: with the default retention the server would start by thinning
+    # the run's old steps (~650,000 rank rows, seconds of a core) while the pages are timed.
+    settings = {"stalled_after_s": 10**7, "retention_full_steps": 0}
+    with LiveServer(db_url=db_url, settings=settings) as server:
         yield server, run_id, stored
 
 
