@@ -280,7 +280,7 @@ LEGEND_BELOW: dict[str, object] = {
 #: It costs ~5 ms a trace, most of a wide run's page on the server (its bands are a hundred
 #: traces), and checks only what the builders' own tests already pin: tests turn it on
 #: (tests/dashboards/conftest.py), so a misspelt property still fails there. (Plotly's
-#: `add_trace` coerces a trace's data arrays again either way: ~0.1 s of the run page of
+#: `add_trace` coerces a trace's data arrays again either way: ~40 ms of the run page of
 #: 32,768 steps, which no public plotly call skips.)
 VALIDATE = False
 
