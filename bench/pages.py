@@ -4,6 +4,8 @@ and how many bytes the page (HTML with its embedded figures) weighs.
     .venv/bin/python bench/pages.py                        # 4,096 ranks x 1,000 steps, SQLite
     .venv/bin/python bench/pages.py --ranks 1024 --steps 300
     .venv/bin/python bench/pages.py --db /tmp/pages.db     # keep the database, reuse it next time
+    .venv/bin/python bench/pages.py --ranks 32 --steps 32768 --fill-steps 64 --runs 1
+                                                     # the dashboards' large-run test's shape
 
 A simulated stage-3 run with one straggler is written through the store (`--fill-steps`
 steps) while a `zerowatch serve` runs and rolls it up, then doubled in SQL to `--steps`
@@ -131,7 +133,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         db_url = f"sqlite:///{args.db or f'{d}/pages.db'}"
         found = _existing(db_url) if args.db and Path(args.db).exists() else None
-        with scale.server(db_url) as url:
+        # Every stored row stays: on a run longer than the default retention's 10,000 full
+        # steps the server would otherwise thin its old steps in the background while the
+        # pages are timed (a run of 32 ranks x 32,768 steps: ~650,000 rows, seconds of a core).
+        with scale.server(db_url, settings={"ZEROWATCH_RETENTION_FULL_STEPS": "0"}) as url:
             if found is None:
                 run_id = ib.fill(db_url, ranks=args.ranks, points=args.ranks * args.fill_steps)
                 scale.wait_compacted(db_url, run_id)

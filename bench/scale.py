@@ -51,11 +51,15 @@ import ingest as ib
 
 
 @contextlib.contextmanager
-def server(db_url: str, *, workers: int = 1) -> Iterator[str]:
-    """A zerowatch server on a free port (`workers` uvicorn processes); yields its URL."""
+def server(
+    db_url: str, *, workers: int = 1, settings: dict[str, str] | None = None
+) -> Iterator[str]:
+    """A zerowatch server on a free port (`workers` uvicorn processes, more ZEROWATCH_*
+    `settings` by environment name); yields its URL."""
     port = ib._free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROWATCH_")}
     env.update(ZEROWATCH_DB_URL=db_url, ZEROWATCH_MAX_BATCH_BYTES=str(64 * 2**20))
+    env.update(settings or {})
     log = tempfile.NamedTemporaryFile(prefix="zerowatch-scale-", suffix=".log", delete=False)  # noqa: SIM115
     cmd = [sys.executable, "-m", "zerowatch.cli", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--workers", str(workers)]  # fmt: skip
