@@ -2,13 +2,15 @@
 each changed configuration, and print predicted against measured step time and per-rank
 model-state memory.
 
-    python bench/doctor.py [--stage 3,1] [--max-changes 6] [--steps 52] [--repeat 1]
+    python bench/doctor.py [--stage 3,1] [--max-changes N] [--steps 52] [--repeat 1]
 
 It starts a zerowatch server (temp SQLite), trains the example GPT with 2 gloo ranks on CPU
 (tests/support/doctor_job.py, one run at a time), reads `GET /api/v1/runs/{id}/findings`,
 and takes every prediction the findings carry: the stage_choice finding's candidates (every
-other stage and offload, each predicted by the planner calibrated on this run) and the
-latency_bound_collectives finding's bucket size. It does so from each base stage of
+other stage and offload, and a quarter and four times the run's reduce_bucket_size, each
+predicted by the planner calibrated on this run) and the latency_bound_collectives finding's
+bucket size (one run each where two name the same change; `--max-changes N`: the first N,
+in the findings' order). It does so from each base stage of
 `--stage` in turn (default 3, then 1: the changes down from stage 3 and up from stage 1),
 a table each and a line over all. Measured step time: the statistic the doctor calibrates
 on, for the base and the changes alike: the median over the run's window (the steps after
@@ -162,7 +164,8 @@ def _base(url: str, a: argparse.Namespace, stage: str) -> list[tuple[float, floa
             if f["prediction"] and f["kind"] != "stage_choice":
                 preds.append(f["prediction"])
         if r == 0:
-            changes = preds[: a.max_changes]
+            unique = list({p["change"]: p for p in preds}.values())
+            changes = unique[: a.max_changes] if a.max_changes else unique
         for pred in preds:
             preds_of.setdefault(pred["change"], [[] for _ in range(max(a.repeat, 1))])[r].append(
                 pred
@@ -254,7 +257,12 @@ def main() -> None:
                    help="steps a run (default: the doctor's warm-up and whole window, so "
                    "that each run's statistic is the median of as many steps as the doctor "
                    "reads)")  # fmt: skip
-    p.add_argument("--max-changes", type=int, default=6)
+    p.add_argument(
+        "--max-changes",
+        type=int,
+        default=None,
+        help="take the N first predicted changes (default: every one)",
+    )
     p.add_argument("--extra", default="", help="more job arguments for the base run")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of (base run, every change): predictions and measurements "

@@ -253,9 +253,19 @@ def test_a_layout_that_makes_more_calls_is_predicted_slower_than_its_bytes_say()
 
 
 def test_a_bucket_size_is_priced_by_the_counted_calls_of_every_op() -> None:
-    """Buckets of 500 elements: 20 all-reduces of the persistent parameters at 1 ms of
-    latency each (20 ms, 20 KB at 1 MB/s of bus bandwidth); at 65,536 the engine counts 2,
-    and its units do not change (no parameter-management change)."""
+    """Buckets of 500 elements: 20 all-reduces of the persistent parameters; at 65,536 the
+    engine counts 2, and its units (8 gathers, 4 reduce-scatters) do not change. Priced as a
+    layout is, part by part:
+
+    - each call at its op's α (β = 400 MB/s, the best bus bandwidth; α_all_reduce = (20 ms
+      - 20 KB-worth at 1 MB/s over 400 MB/s) / 20 = 0.9975 ms): 18 fewer calls take the
+      communication from 40 to 22.045 ms, and the exposed waits with it: 8 x 22.045 / 40
+      = 4.409 ms;
+    - the comm threads' CPU by ring passes: 8 + 4 + 2 x 20 = 52 now, 8 + 4 + 2 x 2 = 16:
+      6 x 16 / 52 = 1.846 ms;
+    - the parameter management (4 ms) by the units' calls, 12 and 12: unchanged.
+
+        50 - (8 + 6 + 4) + (4.409 + 1.846 + 4) = 42.26 ms"""
     m = stage3_on_cpu(
         comm_s={"all_gather": 0.010, "reduce_scatter": 0.010, "all_reduce": 0.020},
         busbw={"all_gather": 4e8, "reduce_scatter": 2e8, "all_reduce": 1e6},
@@ -266,23 +276,71 @@ def test_a_bucket_size_is_priced_by_the_counted_calls_of_every_op() -> None:
     table = {3: {"all_gather": [8, 8], "reduce_scatter": [4, 4], "all_reduce": [20, 2]}}
     m = _counted(m, table, sizes=[500, 65536], own=500)
     got = predict.predict(m, predict.Change(stage=3, bucket=("reduce_bucket_size", 65536)))
-    alpha, _ = predict.call_costs(m)  # type: ignore[misc]
-    saved = 18 * alpha["all_reduce"]
-    share = m.exposed_comm_s / 0.040
-    rho = 0.006 / 0.040
-    assert got.basis["stage3_management_s_delta"] == 0.0
-    assert got.step_time_s == pytest.approx(0.050 - saved * share - rho * saved)
-    assert got.step_time_s < m.step_time_s
+    assert got.basis["exposed_s_new"] == pytest.approx(0.008 * 0.022045 / 0.040)
+    assert got.basis["overlap_s_new"] == pytest.approx(0.006 * 16 / 52)
+    assert got.basis["management_s_new"] == got.basis["management_s_now"] == 0.004
+    assert got.step_time_s == pytest.approx(0.050 - 0.018 + 0.004409 + 0.006 * 16 / 52 + 0.004)
+    assert got.model_state_bytes == m.model_state_bytes
 
 
-def test_stage_3_management_moves_with_its_units_calls() -> None:
-    """Smaller units (more gathers and reduce-scatters) at a smaller bucket: the parameter
-    management (4 ms for 12 unit calls now) grows with them, to 8 ms for 24."""
+def test_the_communication_path_moves_with_the_calls_it_handles() -> None:
+    """Stage 3's parameter management goes per unit: 4 ms for 12 unit calls (8 gathers, 4
+    reduce-scatters) now, 8 ms for the 24 of a smaller bucket. Stages 0-2's bucket handling
+    goes per call: a stage-1 run whose own path is 2 ms over 7 calls (3 + 3 + the norm's
+    all-reduce) has 2 x 25 / 7 ms over the 25 of buckets a third the size."""
     m = _counted(stage3_on_cpu(comm_phase_host_s=0.004),
                  {3: {"all_gather": [16, 8], "reduce_scatter": [8, 4]}}, sizes=[256, 1000])  # fmt: skip
     got = predict.predict(m, predict.Change(stage=3, bucket=("reduce_bucket_size", 256)))
-    assert got.basis["stage3_management_s_delta"] == pytest.approx(0.004)
+    assert got.basis["management_s_now"] == pytest.approx(0.004)
+    assert got.basis["management_s_new"] == pytest.approx(0.008)
     assert got.step_time_s > m.step_time_s
+    one = stage3_on_cpu(
+        stage=1, comm_phase_host_s=0.002,
+        comm_s={"all_gather": 0.006, "reduce_scatter": 0.006, "all_reduce": 0.001},
+        busbw={"all_gather": 4e8, "reduce_scatter": 2e8, "all_reduce": 1e3},
+        calls={"all_gather": 3, "reduce_scatter": 3, "all_reduce": 1},
+        comm_bytes={"all_gather": 4e6, "reduce_scatter": 4e6, "all_reduce": 4},
+    )  # fmt: skip
+    info = _table(200000, [65536, 200000],
+                  {1: {"all_gather": [12, 3], "reduce_scatter": [12, 3], "all_reduce": [1, 1]}})  # fmt: skip
+    info["collective_calls"]["management_s"] = {"1": 0.0015, "3": 0.004}
+    one = dataclasses.replace(one, counted_calls=predict.CountedCalls.from_engine_info(info))
+    got = predict.predict(one, predict.Change(stage=1, bucket=("reduce_bucket_size", 65536)))
+    assert got.basis["management_s_now"] == pytest.approx(0.002)  # its own, not rehearsed
+    assert got.basis["management_s_new"] == pytest.approx(0.002 * 25 / 7)
+
+
+def test_the_bucket_candidates_are_a_quarter_and_four_times_the_runs_counted_sizes() -> None:
+    """Own size 200,000 of a model counted up to 524,288 (one bucket): a quarter is 50,000,
+    nearest in ratio 65,536 (x1.31, against 32,768's x1.53); four times is 800,000, nearest
+    524,288. Each is a change of the run's own layout, priced by its counted calls."""
+    sizes = [32768, 65536, 131072, 200000, 262144, 524288]
+    table = {3: {"all_gather": [40, 24, 14, 8, 8, 4], "reduce_scatter": [20, 12, 7, 4, 4, 2]}}
+    m = _counted(stage3_on_cpu(offload_optimizer=True), table, sizes=sizes, own=200000)
+    got = predict.bucket_candidates(m)
+    assert [c.bucket for c in got] == [("reduce_bucket_size", 65536),
+                                       ("reduce_bucket_size", 524288)]  # fmt: skip
+    assert all(c.stage == 3 and c.offload_optimizer and not c.offload_param for c in got)
+    smaller, larger = (predict.predict(m, c).step_time_s for c in got)
+    assert smaller > m.step_time_s > larger  # more calls, fewer calls
+
+
+def test_a_bucket_candidate_goes_on_to_the_next_size_that_changes_the_calls() -> None:
+    """Stage 3 cuts its units by the module tree: from 20,000 a quarter (4,096) and four
+    times (65,536) make the same calls, so the candidates are the next sizes further out
+    that do not (1,024: the persistent parameters' all-reduces split; 262,144: two units
+    share a bucket). A run already in one bucket has none larger, and without the counts
+    (a foreign engine) there is none."""
+    sizes = [512, 1024, 2048, 4096, 20000, 65536, 131072, 262144]
+    table = {3: {"all_gather": [8, 8, 8, 8, 8, 8, 8, 6], "reduce_scatter": [4, 4, 4, 4, 4, 4, 4, 3],
+                 "all_reduce": [9, 5, 2, 2, 2, 2, 2, 2]}}  # fmt: skip
+    m = _counted(stage3_on_cpu(), table, sizes=sizes, own=20000)
+    assert [c.bucket for c in predict.bucket_candidates(m)] == [
+        ("reduce_bucket_size", 1024), ("reduce_bucket_size", 262144)]  # fmt: skip
+    whole = _counted(stage3_on_cpu(), {3: {"all_gather": [9, 8, 8], "reduce_scatter": [5, 4, 4]}},
+                     sizes=[256, 1000, 4000], own=4000)  # fmt: skip
+    assert [c.bucket for c in predict.bucket_candidates(whole)] == [("reduce_bucket_size", 256)]
+    assert predict.bucket_candidates(stage3_on_cpu()) == []
 
 
 def test_keys_the_counts_do_not_follow_keep_the_estimate_from_bytes() -> None:

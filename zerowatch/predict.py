@@ -16,7 +16,8 @@ between the two configurations come from the model:
   bandwidth, or `host_copy_bytes_per_s` where the run did not offload; the CPU step of a GPU
   run is priced at `cpu_adam_params_per_s` (not calibrated: the prediction says so);
 - a bucket size changes the number of calls of an op: each call costs the run's measured
-  per-call latency (α) plus its bytes at the bandwidth larger messages reached (β);
+  per-call latency (α) plus its bytes at the bandwidth larger messages reached (β) (without
+  the engine's counts, below: the op's own calls alone, its share exposed);
 - counted calls: the bundled engine counts, at initialization and with its own layout rules,
   the collective calls each stage makes per step at a range of `reduce_bucket_size` values
   (engine/counts.py; `engine_info["collective_calls"]`, `CountedCalls` here). Where a run
@@ -27,9 +28,13 @@ between the two configurations come from the model:
   unit twice and cuts units by the module tree, so it makes more calls than its bytes say,
   and a small bucket makes as many calls as the parameters it splits (a parameter larger
   than the bucket is a bucket of its own). A `reduce_bucket_size` change within the stage
-  is priced with the counted calls of every op at the new size, each at its op's α
+  is priced as a change of layout is, part by part (`_counted_bucket`): the communication
+  seconds move by the counted calls of every op at the new size, each at its op's α
   (`call_costs`: what a call costs beyond its bytes at the run's best bus bandwidth, the
-  bytes being the same), and stage 3's parameter management moves with its units' calls.
+  bytes being the same), and the exposed waits with them; the comm threads' CPU moves with
+  the calls' ring passes, and the training thread's communication path with the calls it
+  handles (stage 3: its units'; stages 0-2: every bucket's). `bucket_candidates` names a
+  quarter and four times the run's size (the counted sizes nearest that change the calls).
   Runs without the table (DeepSpeed, FSDP2, older agents) are priced by their bytes, as before;
 - the overlap cost: communication that compute "hides" is not free where both run on the
   same cores. On a CPU run the agent measures the CPU time of the rank's threads other than
@@ -409,15 +414,17 @@ def predict(m: Measured, change: Change) -> Prediction:
         op = change.bucket_op or ("reduce_scatter" if key == "reduce_bucket_size" else "all_gather")
         if change.bucket_op is None and m.stage == 0 and key == "reduce_bucket_size":
             op = "all_reduce"
-        delta, alpha, beta = _bucket_delta(m, op, size)
-        manage = 0.0
-        counted = _counted_bucket_delta(m, key, size)
+        counted = _counted_bucket(m, key, size)
         if counted is not None:
-            delta, manage = counted
-            basis.update(counted_calls=1.0, stage3_management_s_delta=manage)
-        rho = overlap_cpu_per_comm_s(m, sum(m.comm_s.values()))
-        basis.update(alpha_s=alpha, beta_bytes_per_s=beta, overlap_cpu_per_comm_s=rho)
-        step = m.step_time_s + delta * _exposed_share(m) + rho * delta + manage
+            now, new = counted
+            basis.update(counted_calls=1.0, **{f"{k}_now": v for k, v in now.items()},
+                         **{f"{k}_new": v for k, v in new.items()})  # fmt: skip
+            step = m.step_time_s - sum(now.values()) + sum(new.values())
+        else:
+            delta, alpha, beta = _bucket_delta(m, op, size)
+            rho = overlap_cpu_per_comm_s(m, sum(m.comm_s.values()))
+            basis.update(alpha_s=alpha, beta_bytes_per_s=beta, overlap_cpu_per_comm_s=rho)
+            step = m.step_time_s + delta * _exposed_share(m) + rho * delta
         return Prediction(change=change, step_time_s=step, model_state_bytes=m.model_state_bytes,
                           peak_bytes=m.peak_bytes, fits=_fits(m, m.peak_bytes),
                           calibrated=calibrated, basis=basis)  # fmt: skip
@@ -578,31 +585,78 @@ def _bucket_delta(m: Measured, op: str, bucket_elems: int) -> tuple[float, float
     return new_calls * alpha + traffic / beta - secs, alpha, beta
 
 
-def _counted_bucket_delta(m: Measured, key: str, size: int) -> tuple[float, float] | None:
-    """(communication seconds per step added (negative: saved), stage 3's parameter
-    management added) by buckets of `size` elements, from the engine's counted calls of
-    every op at the run's bucket size and at `size`, each call at its op's α
-    (`call_costs`; the bytes do not change). Stage 3's management moves with the calls of
-    its units (gathers and reduce-scatters). None: not counted, or a key the counts do not
-    follow (the bundled engine gathers per reduce bucket: `allgather_bucket_size` and the
-    prefetch size change no call)."""
-    if m.counted_calls is None or key != "reduce_bucket_size":
+def _counted_bucket(
+    m: Measured, key: str, size: int
+) -> tuple[dict[str, float], dict[str, float]] | None:
+    """({part: seconds per step} now, the same with buckets of `size` elements) for the
+    parts a `reduce_bucket_size` change moves, priced as a change of layout is (`predict`)
+    with the engine's counted calls of the run's stage at each size: the exposed waits
+    (`exposed_s`) move with the communication seconds (`counted_comm_seconds`: each op's
+    calls at its measured seconds per call); the communication threads' CPU (`overlap_s`)
+    with the calls' ring passes (`comm_thread_cpu_s`: it goes per call); the training
+    thread's communication path (`management_s`) with the calls it handles: at stage 3 its
+    units' gathers and reduce-scatters (the parameter management goes per unit), at stages
+    0-2 every call (the bucket handling goes per bucket). None: not counted, or a key the
+    counts do not follow (the bundled engine gathers per reduce bucket:
+    `allgather_bucket_size` and the prefetch size change no call)."""
+    cc = m.counted_calls
+    if cc is None or key != "reduce_bucket_size":
         return None
-    now, new = m.counted_calls.at(m.stage), m.counted_calls.at(m.stage, size)
+    calls_now, calls_new = cc.at(m.stage), cc.at(m.stage, size)
     costs = call_costs(m)
-    if now is None or new is None or costs is None:
+    comm_now = sum(m.comm_s.values())
+    if not calls_now or calls_new is None or costs is None or comm_now <= 0:
         return None
     alpha, _ = costs
     fallback = statistics.median(alpha.values())
-    delta = sum((new.get(op, 0.0) - now.get(op, 0.0)) * alpha.get(op, fallback)
-                for op in set(now) | set(new))  # fmt: skip
-    manage = 0.0
-    unit_ops = ("all_gather", "reduce_scatter")
-    units_now = sum(now.get(op, 0.0) for op in unit_ops)
-    if units_now > 0:
-        manage_now = stage3_management_s(m)
-        manage = manage_now * sum(new.get(op, 0.0) for op in unit_ops) / units_now - manage_now
-    return delta, manage
+    comm_new = comm_now + sum((calls_new.get(op, 0.0) - calls_now.get(op, 0.0))
+                              * alpha.get(op, fallback) for op in set(calls_now) | set(calls_new))  # fmt: skip
+    comm_new = max(comm_new, 0.0)
+    cpu = 0.0 if m.other_cpu_s is None else max(m.other_cpu_s, 0.0)
+    passes = ring_passes(calls_new) / ring_passes(calls_now) if ring_passes(calls_now) else 1.0
+    handled = ("all_gather", "reduce_scatter") if m.stage == 3 else tuple(calls_now)
+    per_now = sum(calls_now.get(op, 0.0) for op in handled)
+    per_new = sum(calls_new.get(op, 0.0) for op in handled)
+    path = management_s(m, m.stage)
+    now = {"exposed_s": m.exposed_comm_s, "overlap_s": cpu, "management_s": path}
+    new = {"exposed_s": m.exposed_comm_s * comm_new / comm_now, "overlap_s": cpu * passes,
+           "management_s": path * per_new / per_now if per_now else path}  # fmt: skip
+    return now, new
+
+
+#: The bucket sizes `bucket_candidates` prices: the run's own times and divided by this.
+BUCKET_STEP = 4
+
+
+def bucket_candidates(m: Measured) -> list[Change]:
+    """`reduce_bucket_size` changes of the run's own layout, one each way: the size the engine
+    counted nearest (in ratio) to a quarter of the run's (BUCKET_STEP), and to four times
+    it; where that size makes the same calls as the run's own (stage 3 cuts its units by
+    the module tree, and a size at or above the model's is one bucket), the next counted
+    size further that way that does not. So the calls each is priced with are counted, not
+    assumed, and each changes them. Only where the bundled engine counted its calls at each
+    size (a foreign engine's calls at another size are not known: its latency-bound
+    collectives still get their bucket size from that finding)."""
+    cc = m.counted_calls
+    own_calls = None if cc is None else cc.at(m.stage)
+    if cc is None or own_calls is None:
+        return []
+    own = cc.reduce_bucket_size
+    out: list[Change] = []
+    for target, further in ((own / BUCKET_STEP, -1), (own * BUCKET_STEP, 1)):
+        i = min(
+            range(len(cc.bucket_sizes)), key=lambda k: abs(math.log(cc.bucket_sizes[k] / target))
+        )
+        while 0 <= i < len(cc.bucket_sizes) and (
+            (cc.bucket_sizes[i] - own) * further <= 0
+            or cc.at(m.stage, cc.bucket_sizes[i]) == own_calls
+        ):
+            i += further
+        if 0 <= i < len(cc.bucket_sizes):
+            out.append(Change(stage=m.stage, offload_optimizer=m.offload_optimizer,
+                              offload_param=m.offload_param,
+                              bucket=("reduce_bucket_size", cc.bucket_sizes[i])))  # fmt: skip
+    return out
 
 
 def candidates(m: Measured) -> list[Change]:
@@ -621,6 +675,7 @@ def candidates(m: Measured) -> list[Change]:
 
 
 __all__ = [
+    "BUCKET_STEP",
     "CALL_SIZE_FACTOR",
     "CPU_ADAM_PARAMS_PER_S",
     "HOST_COPY_BYTES_PER_S",
@@ -628,6 +683,7 @@ __all__ = [
     "CountedCalls",
     "Measured",
     "Prediction",
+    "bucket_candidates",
     "call_costs",
     "call_latencies",
     "candidates",

@@ -593,15 +593,17 @@ def nonfinite(e: Evidence, s: DoctorSettings) -> list[Finding]:
 
 
 def stage_choice(e: Evidence, s: DoctorSettings) -> list[Finding]:
-    """Another stage or offload that fits and is predicted faster; or, when memory is short
-    or none is faster, the one that frees memory at a stated cost (the calibrated planner,
-    zerowatch.predict). Predictions are against the step with the host to itself
+    """Another stage, offload or bucket size that fits and is predicted faster; or, when
+    memory is short or none is faster, the layout that frees memory at a stated cost (the
+    calibrated planner, zerowatch.predict: every other layout, and a quarter and four times
+    the run's reduce_bucket_size where the engine counted its calls at each size). Predictions are against the step with the host to itself
     (predict.uncontended): a run that shared its cores with another process is not told
     that a change would win back what that process took."""
     m = measured(e)
     if m is None or m.world_size < 2:
         return []
-    preds = [predict.predict(m, c) for c in predict.candidates(m)]
+    preds = [predict.predict(m, c)
+             for c in predict.candidates(m) + predict.bucket_candidates(m)]  # fmt: skip
     short = bool(m.peak_bytes and m.capacity_bytes
                  and m.peak_bytes >= s.memory_headroom_share * m.capacity_bytes)  # fmt: skip
     fitting = [p for p in preds if p.fits is not False]
@@ -633,8 +635,8 @@ def stage_choice(e: Evidence, s: DoctorSettings) -> list[Finding]:
               "host to itself." if c > 1 + s.stage_choice_min_gain else "")  # fmt: skip
     lead = best.change.describe()
     if not short and not fast:
-        lead = (f"No layout is predicted {_pct(s.stage_choice_min_gain)} faster; the leanest, "
-                f"{lead},")  # fmt: skip
+        lead = (f"No layout or bucket size is predicted {_pct(s.stage_choice_min_gain)} "
+                f"faster; the leanest layout, {lead},")  # fmt: skip
     return [
         Finding(
             kind="stage_choice",

@@ -228,7 +228,9 @@ def test_a_run_on_the_fastest_layout_still_states_the_trade_with_every_candidate
     got = doctor.findings(db=db, run_id=run_id, settings=DoctorSettings(stage_choice_min_gain=0.5))
     assert got is not None
     (f,) = [f for f in got["findings"] if f["kind"] == "stage_choice"]
-    assert f["severity"] == "info" and f["message"].startswith("No layout is predicted 50%")
+    assert f["severity"] == "info" and f["message"].startswith(
+        "No layout or bucket size is predicted 50%"
+    )
     pred = f["prediction"]
     assert pred["config"]["zero_optimization"]["stage"] == 3  # the leanest
     assert pred["model_state_bytes"] < pred["model_state_now_bytes"]
