@@ -325,6 +325,24 @@ def test_the_bucket_candidates_are_a_quarter_and_four_times_the_runs_counted_siz
     assert smaller > m.step_time_s > larger  # more calls, fewer calls
 
 
+def test_a_bucket_size_moves_the_peak_by_its_buffers() -> None:
+    """Two reduce buckets of fp32 with overlap_comm (plan.buffer_bytes): 200,000 -> 65,536
+    frees (200,000 - 65,536) x 4 B x 2 = 1,075,712 B, 524,288 adds 2,594,304 B. On a device
+    of 1.11 GB (90%: 0.999 GB) the run's 1 GB peak does not fit, the smaller bucket does and
+    the larger does not; model state is unchanged."""
+    sizes = [65536, 200000, 524288]
+    table = {3: {"all_gather": [24, 8, 4], "reduce_scatter": [12, 4, 2]}}
+    m = _counted(stage3_on_cpu(peak_bytes=1e9, capacity_bytes=1.11e9,
+                               zero_config={"reduce_bucket_size": 200000, "overlap_comm": True}),
+                 table, sizes=sizes, own=200000)  # fmt: skip
+    small, large = (predict.predict(m, predict.Change(stage=3, bucket=("reduce_bucket_size", b)))
+                    for b in (65536, 524288))  # fmt: skip
+    assert small.peak_bytes == pytest.approx(1e9 - 1_075_712)
+    assert large.peak_bytes == pytest.approx(1e9 + 2_594_304)
+    assert (small.fits, large.fits) == (True, False)
+    assert small.model_state_bytes == large.model_state_bytes == m.model_state_bytes
+
+
 def test_a_bucket_candidate_goes_on_to_the_next_size_that_changes_the_calls() -> None:
     """Stage 3 cuts its units by the module tree: from 20,000 a quarter (4,096) and four
     times (65,536) make the same calls, so the candidates are the next sizes further out

@@ -243,6 +243,27 @@ def plan(
     )  # fmt: skip
 
 
+def buffer_bytes(
+    num_params: int, precision: str, stage: int, *,
+    reduce_bucket_size: int = PlanInputs.reduce_bucket_size,
+    allgather_bucket_size: int = PlanInputs.allgather_bucket_size,
+    stage3_prefetch_bucket_size: int = PlanInputs.stage3_prefetch_bucket_size,
+    stage3_max_live_parameters: int = PlanInputs.stage3_max_live_parameters,
+    overlap_comm: bool = PlanInputs.overlap_comm,
+) -> dict[str, int]:  # fmt: skip
+    """Transient device bytes per rank the engine's config implies at `stage` (module
+    docstring): reduce_bucket, allgather_bucket (stages 1-2), live_params (stage 3)."""
+    psi, p = num_params, theory.PARAM_BYTES[precision]
+    return {
+        "reduce_bucket": min(reduce_bucket_size, psi) * p * (2 if overlap_comm else 1),
+        "allgather_bucket": min(allgather_bucket_size, psi) * p if stage in (1, 2) else 0,
+        "live_params": (
+            min(max(stage3_max_live_parameters, stage3_prefetch_bucket_size), psi) * p
+            if stage == 3 else 0
+        ),
+    }  # fmt: skip
+
+
 def _row(inputs: PlanInputs, layout: Layout) -> PlanRow:
     psi, n, p = inputs.num_params, inputs.gpus, theory.PARAM_BYTES[inputs.precision]
     ga = inputs.gradient_accumulation_steps
@@ -250,14 +271,13 @@ def _row(inputs: PlanInputs, layout: Layout) -> PlanRow:
         psi, n, layout.stage, precision=inputs.precision,
         offload_optimizer=layout.offload_optimizer, offload_param=layout.offload_param,
     )  # fmt: skip
-    buffers = {
-        "reduce_bucket": min(inputs.reduce_bucket_size, psi) * p * (2 if inputs.overlap_comm else 1),
-        "allgather_bucket": min(inputs.allgather_bucket_size, psi) * p if layout.stage in (1, 2) else 0,
-        "live_params": (
-            min(max(inputs.stage3_max_live_parameters, inputs.stage3_prefetch_bucket_size), psi) * p
-            if layout.stage == 3 else 0
-        ),
-    }  # fmt: skip
+    buffers = buffer_bytes(
+        psi, inputs.precision, layout.stage, reduce_bucket_size=inputs.reduce_bucket_size,
+        allgather_bucket_size=inputs.allgather_bucket_size,
+        stage3_prefetch_bucket_size=inputs.stage3_prefetch_bucket_size,
+        stage3_max_live_parameters=inputs.stage3_max_live_parameters,
+        overlap_comm=inputs.overlap_comm,
+    )  # fmt: skip
     if n == 1:  # nothing is reduced or gathered across ranks
         buffers = dict.fromkeys(buffers, 0)
     device = states.device_total + sum(buffers.values())
@@ -540,6 +560,7 @@ __all__ = [
     "PlanInputs",
     "PlanResult",
     "PlanRow",
+    "buffer_bytes",
     "parse_bandwidth",
     "parse_bytes",
     "parse_count",

@@ -425,9 +425,10 @@ def predict(m: Measured, change: Change) -> Prediction:
             rho = overlap_cpu_per_comm_s(m, sum(m.comm_s.values()))
             basis.update(alpha_s=alpha, beta_bytes_per_s=beta, overlap_cpu_per_comm_s=rho)
             step = m.step_time_s + delta * _exposed_share(m) + rho * delta
+        peak = None if m.peak_bytes is None else m.peak_bytes + _buffer_delta(m, key, size)
         return Prediction(change=change, step_time_s=step, model_state_bytes=m.model_state_bytes,
-                          peak_bytes=m.peak_bytes, fits=_fits(m, m.peak_bytes),
-                          calibrated=calibrated, basis=basis)  # fmt: skip
+                          peak_bytes=peak, fits=_fits(m, peak), calibrated=calibrated,
+                          basis=basis)  # fmt: skip
     st, oo, op_ = change.stage, change.offload_optimizer, change.offload_param
     comm_now, comm_new = _comm_seconds(m, m.stage), _comm_seconds(m, st)
     exposed_new = m.exposed_comm_s * (comm_new / comm_now) if comm_now else m.exposed_comm_s
@@ -585,14 +586,38 @@ def _bucket_delta(m: Measured, op: str, bucket_elems: int) -> tuple[float, float
     return new_calls * alpha + traffic / beta - secs, alpha, beta
 
 
+_BUFFER_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                "stage3_max_live_parameters")  # fmt: skip
+
+
+def _buffer_delta(m: Measured, key: str, size: int) -> float:
+    """Device bytes per rank a bucket size adds to the peak (negative: frees): the transient
+    buffers the engine's config implies (plan.buffer_bytes: two reduce buckets with
+    `overlap_comm`), at the run's zero_optimization values and with `key` set to `size`."""
+    z = m.zero_config
+    now: dict[str, Any] = {k: int(v) for k in _BUFFER_KEYS
+                           if isinstance(v := z.get(k), int | float) and not isinstance(v, bool)
+                           and v > 0}  # fmt: skip
+    now["overlap_comm"] = z.get("overlap_comm") is True
+    if key not in _BUFFER_KEYS:
+        return 0.0
+
+    def total(cfg: dict[str, Any]) -> int:
+        return sum(plan.buffer_bytes(m.num_params, m.precision, m.stage, **cfg).values())
+
+    return float(total({**now, key: int(size)}) - total(now))
+
+
 def _counted_bucket(
     m: Measured, key: str, size: int
 ) -> tuple[dict[str, float], dict[str, float]] | None:
     """({part: seconds per step} now, the same with buckets of `size` elements) for the
     parts a `reduce_bucket_size` change moves, priced as a change of layout is (`predict`)
     with the engine's counted calls of the run's stage at each size: the exposed waits
-    (`exposed_s`) move with the communication seconds (`counted_comm_seconds`: each op's
-    calls at its measured seconds per call); the communication threads' CPU (`overlap_s`)
+    (`exposed_s`) move with the communication seconds, which move by the calls added or
+    removed, each at its op's α (`call_costs`: the bytes are the same, in more or fewer
+    messages; a run's measured seconds per call hold its own message size, and a smaller
+    bucket's calls are shorter); the communication threads' CPU (`overlap_s`)
     with the calls' ring passes (`comm_thread_cpu_s`: it goes per call); the training
     thread's communication path (`management_s`) with the calls it handles: at stage 3 its
     units' gathers and reduce-scatters (the parameter management goes per unit), at stages

@@ -596,7 +596,8 @@ def stage_choice(e: Evidence, s: DoctorSettings) -> list[Finding]:
     """Another stage, offload or bucket size that fits and is predicted faster; or, when
     memory is short or none is faster, the layout that frees memory at a stated cost (the
     calibrated planner, zerowatch.predict: every other layout, and a quarter and four times
-    the run's reduce_bucket_size where the engine counted its calls at each size). Predictions are against the step with the host to itself
+    the run's reduce_bucket_size where the engine counted its calls at each size, its
+    buffers in the peak). Predictions are against the step with the host to itself
     (predict.uncontended): a run that shared its cores with another process is not told
     that a change would win back what that process took."""
     m = measured(e)
