@@ -341,6 +341,10 @@ def test_a_bucket_size_moves_the_peak_by_its_buffers() -> None:
     assert large.peak_bytes == pytest.approx(1e9 + 2_594_304)
     assert (small.fits, large.fits) == (True, False)
     assert small.model_state_bytes == large.model_state_bytes == m.model_state_bytes
+    # A run whose own value is not known ("auto", no count) is not moved by a guess.
+    auto = stage3_on_cpu(peak_bytes=1e9, zero_config={"reduce_bucket_size": "auto"})
+    got = predict.predict(auto, predict.Change(stage=3, bucket=("reduce_bucket_size", 65536)))
+    assert got.peak_bytes == 1e9
 
 
 def test_a_bucket_candidate_goes_on_to_the_next_size_that_changes_the_calls() -> None:

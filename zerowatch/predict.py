@@ -593,13 +593,17 @@ _BUFFER_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_
 def _buffer_delta(m: Measured, key: str, size: int) -> float:
     """Device bytes per rank a bucket size adds to the peak (negative: frees): the transient
     buffers the engine's config implies (plan.buffer_bytes: two reduce buckets with
-    `overlap_comm`), at the run's zero_optimization values and with `key` set to `size`."""
+    `overlap_comm`), at the run's zero_optimization values and with `key` set to `size`;
+    0 where the run's own value of `key` is not known (absent, "auto": the engine's default
+    is not ours to guess). The engine's count of its calls carries its own reduce size."""
     z = m.zero_config
     now: dict[str, Any] = {k: int(v) for k in _BUFFER_KEYS
                            if isinstance(v := z.get(k), int | float) and not isinstance(v, bool)
                            and v > 0}  # fmt: skip
+    if m.counted_calls is not None:
+        now["reduce_bucket_size"] = m.counted_calls.reduce_bucket_size
     now["overlap_comm"] = z.get("overlap_comm") is True
-    if key not in _BUFFER_KEYS:
+    if key not in now:
         return 0.0
 
     def total(cfg: dict[str, Any]) -> int:
