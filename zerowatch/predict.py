@@ -411,9 +411,6 @@ def predict(m: Measured, change: Change) -> Prediction:
                                "step_time_uncontended_s": m.step_time_s}  # fmt: skip
     if change.bucket is not None:
         key, size = change.bucket
-        op = change.bucket_op or ("reduce_scatter" if key == "reduce_bucket_size" else "all_gather")
-        if change.bucket_op is None and m.stage == 0 and key == "reduce_bucket_size":
-            op = "all_reduce"
         counted = _counted_bucket(m, key, size)
         if counted is not None:
             now, new = counted
@@ -421,6 +418,11 @@ def predict(m: Measured, change: Change) -> Prediction:
                          **{f"{k}_new": v for k, v in new.items()})  # fmt: skip
             step = m.step_time_s - sum(now.values()) + sum(new.values())
         else:
+            op = change.bucket_op or (
+                "reduce_scatter" if key == "reduce_bucket_size" else "all_gather"
+            )
+            if change.bucket_op is None and m.stage == 0 and key == "reduce_bucket_size":
+                op = "all_reduce"
             delta, alpha, beta = _bucket_delta(m, op, size)
             rho = overlap_cpu_per_comm_s(m, sum(m.comm_s.values()))
             basis.update(alpha_s=alpha, beta_bytes_per_s=beta, overlap_cpu_per_comm_s=rho)
@@ -483,9 +485,10 @@ def ring_passes(calls: dict[str, float]) -> float:
     return sum(c * (2.0 if op == "all_reduce" else 1.0) for op, c in calls.items())
 
 
-def comm_thread_cpu_s(m: Measured, stage: int) -> float | None:
-    """CPU seconds per step of the rank's communication threads at `stage` (the run's
-    bucket size), from the engine's counted calls: the run's `other_cpu_s` per ring pass
+def comm_thread_cpu_s(m: Measured, stage: int, bucket: int | None = None) -> float | None:
+    """CPU seconds per step of the rank's communication threads at `stage` (buckets of
+    `bucket` elements; default the run's), from the engine's counted calls: the run's
+    `other_cpu_s` per ring pass
     (`ring_passes` of its own stage's counted calls) times the stage's passes. The comm
     threads' CPU goes per call, not per second of latency: in the stored bench runs it is
     0.4-0.75 ms a call at stages 1, 2 and 3 alike within each run set, where per byte it
@@ -495,7 +498,7 @@ def comm_thread_cpu_s(m: Measured, stage: int) -> float | None:
     seconds: `overlap_cpu_per_comm_s`)."""
     if m.other_cpu_s is None or m.counted_calls is None:
         return None
-    now, new = m.counted_calls.at(m.stage), m.counted_calls.at(stage)
+    now, new = m.counted_calls.at(m.stage), m.counted_calls.at(stage, bucket)
     if not now or new is None or ring_passes(now) <= 0:
         return None
     return max(m.other_cpu_s, 0.0) * ring_passes(new) / ring_passes(now)
@@ -641,14 +644,14 @@ def _counted_bucket(
     comm_new = comm_now + sum((calls_new.get(op, 0.0) - calls_now.get(op, 0.0))
                               * alpha.get(op, fallback) for op in set(calls_now) | set(calls_new))  # fmt: skip
     comm_new = max(comm_new, 0.0)
-    cpu = 0.0 if m.other_cpu_s is None else max(m.other_cpu_s, 0.0)
-    passes = ring_passes(calls_new) / ring_passes(calls_now) if ring_passes(calls_now) else 1.0
     handled = ("all_gather", "reduce_scatter") if m.stage == 3 else tuple(calls_now)
     per_now = sum(calls_now.get(op, 0.0) for op in handled)
     per_new = sum(calls_new.get(op, 0.0) for op in handled)
     path = management_s(m, m.stage)
-    now = {"exposed_s": m.exposed_comm_s, "overlap_s": cpu, "management_s": path}
-    new = {"exposed_s": m.exposed_comm_s * comm_new / comm_now, "overlap_s": cpu * passes,
+    now = {"exposed_s": m.exposed_comm_s, "overlap_s": comm_thread_cpu_s(m, m.stage) or 0.0,
+           "management_s": path}  # fmt: skip
+    new = {"exposed_s": m.exposed_comm_s * comm_new / comm_now,
+           "overlap_s": comm_thread_cpu_s(m, m.stage, size) or 0.0,
            "management_s": path * per_new / per_now if per_now else path}  # fmt: skip
     return now, new
 
