@@ -1,4 +1,4 @@
-"""`zerowatch serve | demo | plan | alerts render | trace | upload | runs | doctor`.
+"""`zerowatch serve | demo | plan | alerts render | trace | upload | runs | doctor | selftest`.
 
 The command line is thin: each subcommand parses its options (typer) and calls one function
 of the module that owns the work, imported inside the subcommand so that `zerowatch --help`
@@ -253,6 +253,48 @@ def alerts_render(
     else:
         out.write_text(text)
         typer.echo(f"wrote {out}", err=True)
+
+
+@app.command()
+def selftest(
+    nproc_per_node: Annotated[
+        int | None,
+        typer.Option(
+            "--nproc-per-node", min=1, help="Ranks to launch [default: the GPUs, or 2 on CPU]."
+        ),
+    ] = None,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Write the report here as JSON.")
+    ] = None,
+    server: ServerOpt = None,
+    stages: Annotated[str, typer.Option(help="ZeRO stages of the engine check.")] = "0,1,2,3",
+    steps: Annotated[int, typer.Option(help="Optimizer steps per stage.")] = 5,
+    sizes: Annotated[
+        str | None,
+        typer.Option(help="Collective sizes [default: 1MiB,16MiB,64MiB; 256KiB,1MiB,4MiB on CPU]."),
+    ] = None,
+    warmup: Annotated[int, typer.Option(help="Untimed iterations per collective.")] = 5,
+    iters: Annotated[int, typer.Option(help="Timed iterations per collective.")] = 20,
+    agent_steps: Annotated[int, typer.Option(help="Timed steps with the agent.")] = 10,
+    clock_rounds: Annotated[int, typer.Option(help="Round trips per clock estimate.")] = 10,
+) -> None:
+    """Check this node: the engine against plain AdamW, collective bandwidth, the agent's
+    cost, clock offsets (torchrun on this machine; exit 1 when the engine check fails)."""
+    from zerowatch.selftest import UsageError, launch, parse_args
+
+    argv = [
+        "--stages", stages, "--steps", str(steps), "--warmup", str(warmup),
+        "--iters", str(iters), "--agent-steps", str(agent_steps),
+        "--clock-rounds", str(clock_rounds),
+        *(["--sizes", sizes] if sizes else []),
+        *(["--json", str(json_path.resolve())] if json_path else []),
+        *(["--server", server] if server else []),
+    ]  # fmt: skip
+    try:
+        parse_args(argv)
+    except UsageError as e:
+        fail(str(e), EXIT_USAGE)
+    raise typer.Exit(EXIT_FAILED if launch(nproc_per_node, argv) else 0)
 
 
 def _get(server: str, path: str, **params: str) -> object:
