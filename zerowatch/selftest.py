@@ -267,13 +267,18 @@ def stage_verdict(stage: int, got: dict[str, torch.Tensor],
 
 @contextlib.contextmanager
 def _no_tf32() -> Iterator[None]:
-    """fp32 matmuls and convolutions in full precision while the block runs."""
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    """fp32 matmuls and convolutions in full precision while the block runs. torch 2.9 and
+    later have `fp32_precision` and refuse a mix of it with the older `allow_tf32`."""
+    sides: tuple[Any, ...] = (torch.backends.cuda.matmul, torch.backends.cudnn)
+    name = "fp32_precision" if hasattr(sides[0], "fp32_precision") else "allow_tf32"
+    old = [getattr(side, name) for side in sides]
+    for side in sides:
+        setattr(side, name, "ieee" if name == "fp32_precision" else False)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+        for side, value in zip(sides, old, strict=True):
+            setattr(side, name, value)
 
 
 def check_engine(comm: Comm, opts: Options, device: torch.device) -> dict[str, Any]:
@@ -473,6 +478,13 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+def _backend(device: torch.device) -> str:
+    """The default group's backend for `device`'s tensors ("nccl" of "cpu:gloo,cuda:nccl")."""
+    name = str(torch.distributed.get_backend())
+    by_device = dict(p.split(":", 1) for p in name.split(",") if ":" in p)
+    return by_device.get(device.type, name)
+
+
 def describe_world(comm: Comm, device: torch.device) -> dict[str, Any]:
     """Who is in the job: ranks, backend, each rank's host and device."""
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"
@@ -481,7 +493,7 @@ def describe_world(comm: Comm, device: torch.device) -> dict[str, Any]:
     devices: dict[str, int] = {}
     for _, d in ranks:
         devices[d] = devices.get(d, 0) + 1
-    backend = torch.distributed.get_backend() if comm.enabled else "none"
+    backend = _backend(device) if comm.enabled else "none"
     return {"world_size": comm.world_size, "backend": backend, "devices": devices,
             "hosts": len({h for h, _ in ranks}), "rank_hosts": [h for h, _ in ranks],
             "torch": torch.__version__, "zerowatch": zerowatch.__version__}  # fmt: skip
