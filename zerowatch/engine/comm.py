@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerowatch.engine import launch
 from zerowatch.engine.hooks import CollectiveRecord, ObserverRegistry
 
 #: Seconds a collective may wait for a peer before the job fails (a dead rank must make the
@@ -50,15 +51,60 @@ def comm_timeout() -> timedelta:
 
 
 def init_distributed() -> None:
-    """Join the torchrun job described by the environment, if there is one and it is not
-    joined yet: gloo on CPU, NCCL where CUDA is available. Without RANK/WORLD_SIZE (a plain
-    `python train.py`) this does nothing and the engine runs as a single rank."""
-    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    """Join the job the launcher describes (engine/launch.py: torchrun, Open MPI or SLURM),
+    if there is one and torch.distributed is not initialised yet; a plain `python train.py`
+    runs as a single rank and joins nothing.
+
+    With CUDA the group is "cpu:gloo,cuda:nccl" (NCCL for CUDA tensors, gloo for CPU ones:
+    a plain "nccl" group cannot carry the CPU tensors of an offloaded optimizer) and this
+    process's GPU is made current first; without CUDA it is gloo. The rendezvous is torch's
+    env:// with the launcher's rank and size; a SLURM or Open MPI job's MASTER_ADDR and
+    MASTER_PORT are put in os.environ for it when they are not there.
+
+    Raises:
+        launch.LaunchError: the environment describes the job only in part.
+    """
+    if dist.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=comm_timeout())
+    place = launch.placement()
+    if place.world_size <= 1:
+        return
+    addr, port = launch.rendezvous(place)
+    os.environ.setdefault("MASTER_ADDR", addr)
+    os.environ.setdefault("MASTER_PORT", str(port))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        launch.bind_device(place)
+    dist.init_process_group(backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
+                            init_method="env://", rank=place.rank,
+                            world_size=place.world_size, timeout=comm_timeout())  # fmt: skip
+
+
+def device_backends(group: Any = None) -> dict[str, str]:
+    """{device type: backend name} of `group` (None: the default group), as torch records
+    it: "nccl" -> {"cuda": "nccl"}, "gloo" -> {"cpu": "gloo", "cuda": "gloo"},
+    "cpu:gloo,cuda:nccl" as written, and a group made with no backend gets the backend of
+    the machine's accelerator only (torch 2.13: {"cuda": "nccl"} with CUDA)."""
+    get_config = getattr(dist, "get_backend_config", None)
+    if get_config is not None:
+        config = str(get_config(group))
+    else:  # older torch: the backend name alone
+        name = str(dist.get_backend(group))
+        devices = dist.Backend.backend_capability.get(name, ["cpu", "cuda"])
+        config = name if ":" in name else ",".join(f"{d}:{name}" for d in devices)
+    return dict(pair.split(":", 1) for pair in config.lower().split(",") if ":" in pair)
+
+
+#: Backends that can take CUDA tensors but move them through host memory (gloo) or only in
+#: CUDA-aware builds (MPI): a group that gives CUDA tensors to one trains on the CPU.
+_HOST_STAGED = frozenset({"gloo", "mpi"})
+
+
+def carries_cuda(group: Any = None) -> bool:
+    """Whether `group` reduces CUDA tensors on the device: its CUDA backend is NCCL (or
+    another device backend, e.g. torch's fake one in tests), not gloo or MPI."""
+    backend = device_backends(group).get("cuda")
+    return backend is not None and backend not in _HOST_STAGED
 
 
 def _is_cuda(t: torch.Tensor) -> bool:
@@ -190,6 +236,11 @@ class Comm:
         self.ring = (
             _ring_for(self) if self.enabled and self.world_size > 1 and _use_ring(group) else None
         )
+        #: A group made with "nccl" (or with no backend on a CUDA machine) has no backend for
+        #: CPU tensors: the few the engine sends (the offloaded gradient norm) go by the GPU.
+        self.cpu_through_gpu = (self.enabled and self.world_size > 1
+                                and "cpu" not in device_backends(group)
+                                and torch.cuda.is_available())  # fmt: skip
 
     # -- reporting -------------------------------------------------------------------------
 
@@ -255,7 +306,13 @@ class Comm:
 
     def all_reduce(self, tensor: torch.Tensor, *, purpose: str = "other",
                    async_op: bool = False) -> Handle:  # fmt: skip
-        """Sum `tensor` across ranks, in place."""
+        """Sum `tensor` across ranks, in place (a CPU tensor on a group without a CPU backend
+        goes through this process's GPU, synchronously)."""
+        if self.cpu_through_gpu and tensor.device.type == "cpu":
+            staged = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+            self.all_reduce(staged, purpose=purpose)
+            tensor.copy_(staged)
+            return DONE
         nbytes = tensor.numel() * tensor.element_size()
         return self._run("all_reduce", purpose, nbytes, async_op, tensor,
                          lambda a: dist.all_reduce(tensor, group=self.group, async_op=a))  # fmt: skip
@@ -284,7 +341,13 @@ class Comm:
                          lambda: _copy_unless_same(output, input))  # fmt: skip
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, purpose: str = "other") -> None:
-        """Copy rank `src`'s `tensor` to every rank, in place."""
+        """Copy rank `src`'s `tensor` to every rank, in place (by the GPU like `all_reduce`
+        where the group has no CPU backend)."""
+        if self.cpu_through_gpu and tensor.device.type == "cpu":
+            staged = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+            self.broadcast(staged, src, purpose=purpose)
+            tensor.copy_(staged)
+            return
         nbytes = tensor.numel() * tensor.element_size()
         self._run("broadcast", purpose, nbytes, False, tensor,
                   lambda a: dist.broadcast(tensor, src=src, group=self.group))  # fmt: skip
@@ -324,8 +387,11 @@ def _use_ring(group: Any) -> bool:
     each (measured on 2 ranks, 16 MB: reduce_scatter_tensor 12 ms, all_gather_into_tensor
     7 ms, all_reduce 5-10 ms), so ZeRO's reduce-scatter + all-gather would cost twice DDP's
     all-reduce. The same ring over gloo's send/recv moves the same bytes in 3-4 ms each.
-    ZEROWATCH_GLOO_RING=0 turns it off."""
-    return dist.get_backend(group) == "gloo" and os.environ.get("ZEROWATCH_GLOO_RING", "1") != "0"
+    The ring serves CPU tensors wherever gloo carries them ("gloo", "cpu:gloo,cuda:nccl");
+    CUDA tensors never take it. ZEROWATCH_GLOO_RING=0 turns it off."""
+    if os.environ.get("ZEROWATCH_GLOO_RING", "1") == "0":
+        return False
+    return device_backends(group).get("cpu") == "gloo"
 
 
 class _RingWork:
@@ -403,4 +469,12 @@ class _Ring:
             self._exchange(chunks[(r - s) % n], chunks[(r - s - 1) % n], tag + s % 64)
 
 
-__all__ = ["DONE", "Comm", "Handle", "comm_timeout", "init_distributed"]
+__all__ = [
+    "DONE",
+    "Comm",
+    "Handle",
+    "carries_cuda",
+    "comm_timeout",
+    "device_backends",
+    "init_distributed",
+]

@@ -33,7 +33,8 @@ from zerowatch import theory
 from zerowatch.config import ConfigError, ZeroWatchConfig
 from zerowatch.engine import checkpoint as _checkpoint
 from zerowatch.engine import gathered as _gathered
-from zerowatch.engine.comm import Comm
+from zerowatch.engine import launch
+from zerowatch.engine.comm import Comm, carries_cuda, device_backends
 from zerowatch.engine.counts import collective_calls
 from zerowatch.engine.flat import Segment, Slot
 from zerowatch.engine.hooks import ObserverRegistry
@@ -50,13 +51,22 @@ def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def pick_device() -> torch.device:
-    """This rank's device: its CUDA device under NCCL, else the CPU."""
-    if torch.cuda.is_available() and torch.distributed.is_initialized() and \
-            torch.distributed.get_backend() == "nccl":  # fmt: skip
-        return torch.device("cuda", torch.cuda.current_device())
-    if torch.cuda.is_available() and not torch.distributed.is_initialized():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """This rank's device (docs/gpu.md): its GPU, cuda:(local_rank % device_count) made
+    current with torch.cuda.set_device, when CUDA is available and the default process group
+    (or no group) carries CUDA tensors; else the CPU.
+
+    A group whose CUDA tensors would go through gloo trains on the CPU, as before (gloo
+    stages CUDA tensors through host memory and lacks some CUDA collectives): said once.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if torch.distributed.is_initialized() and not carries_cuda():
+        config = ",".join(f"{d}:{b}" for d, b in device_backends().items())
+        launch.log_once(f"the process group ({config}) reduces CUDA tensors with gloo: "
+                        "training on the CPU; make the group with 'nccl' or "
+                        "'cpu:gloo,cuda:nccl' to train on the GPU")  # fmt: skip
+        return torch.device("cpu")
+    return launch.bind_device()
 
 
 def _param_groups(module: nn.Module, model_parameters: Any,
