@@ -1,8 +1,11 @@
 """Two gloo ranks under every stage / offload / accumulation combination end with the same
-parameters as one process training the plain model with torch.optim.AdamW."""
+parameters as one process training the plain model with torch.optim.AdamW, both with
+zerowatch's gloo ring and with torch's own flat collectives (ZEROWATCH_GLOO_RING=0: gloo's
+all_gather_into_tensor / reduce_scatter_tensor, the calls the engine makes over NCCL)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -40,14 +43,17 @@ def _scenarios() -> dict[str, dict[str, Any]]:
 SCENARIOS = _scenarios()
 
 
-def _run_all(rank: int, world: int, scenarios: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _run_all(rank: int, world: int, scenarios: dict[str, dict[str, Any]],
+             ring: bool) -> dict[str, Any]:  # fmt: skip
+    os.environ["ZEROWATCH_GLOO_RING"] = "1" if ring else "0"
     return {name: engine_run(rank, world, cfg, steps=STEPS).state_dict
             for name, cfg in scenarios.items()}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
-    return run_ranks(_run_all, WORLD, SCENARIOS, timeout_s=120)
+@pytest.fixture(scope="module", params=["ring", "flat"])
+def results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    """Every scenario in one spawn of the ranks per collective path."""
+    return run_ranks(_run_all, WORLD, SCENARIOS, request.param == "ring", timeout_s=120)
 
 
 @pytest.fixture(scope="module")
