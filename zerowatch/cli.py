@@ -260,7 +260,9 @@ def selftest(
     nproc_per_node: Annotated[
         int | None,
         typer.Option(
-            "--nproc-per-node", min=1, help="Ranks to launch [default: the GPUs, or 2 on CPU]."
+            "--nproc-per-node",
+            min=1,
+            help="Ranks to launch (default: one per GPU, 2 without CUDA).",
         ),
     ] = None,
     json_path: Annotated[
@@ -271,7 +273,7 @@ def selftest(
     steps: Annotated[int, typer.Option(help="Optimizer steps per stage.")] = 5,
     sizes: Annotated[
         str | None,
-        typer.Option(help="Collective sizes [default: 1MiB,16MiB,64MiB; 256KiB,1MiB,4MiB on CPU]."),
+        typer.Option(help="Collective sizes (default: 1MiB,16MiB,64MiB; on CPU 256KiB,1MiB,4MiB)."),
     ] = None,
     warmup: Annotated[int, typer.Option(help="Untimed iterations per collective.")] = 5,
     iters: Annotated[int, typer.Option(help="Timed iterations per collective.")] = 20,
