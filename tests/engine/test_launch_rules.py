@@ -337,8 +337,8 @@ def test_the_gloo_ring_serves_cpu_tensors_whenever_gloo_carries_them(
 def test_cpu_tensors_go_by_the_gpu_where_the_group_has_no_cpu_backend(
     backend: str | None, through_gpu: bool, cuda: FakeCuda, group: Callable[..., None]
 ) -> None:
-    """The offloaded optimizer's gradient norm is a CPU tensor: a group made with "nccl"
-    (or with no backend on a CUDA machine) has nothing to reduce it with."""
+    """A group made with "nccl" (or with no backend on a CUDA machine) has nothing to reduce
+    a CPU tensor with: Comm's all_reduce and broadcast take it through the GPU."""
     from zerowatch.engine.hooks import ObserverRegistry
 
     group(8, 0, backend)

@@ -2,13 +2,15 @@
 
 Public API: `initialize` (what `zerowatch.initialize` calls), `ZeroEngine`, `StepStats`, and
 the observer interface in `hooks` (`CollectiveRecord`, `ObserverRegistry`). Files, one
-concept each: comm (the only caller of torch.distributed collectives), phases (the only
-announcer of phase boundaries), flat (segments), params_replicated / params_sharded
-(parameter owners), reducers (gradient reducers), stages (which parts make each stage),
-optim (master weights and the step), precision (loss scaling), schedulers, checkpoint,
-counts (the collective calls each stage makes per step, counted at initialization),
-rehearsal (each stage's communication path on the training thread, rehearsed with the real
-collectives at initialization on a CPU run, for the doctor), engine (the facade).
+concept each: launch (where this process sits in the job: rank, local rank, its GPU, from
+torchrun's, Open MPI's or SLURM's variables), comm (the only caller of torch.distributed
+collectives), phases (the only announcer of phase boundaries), flat (segments),
+params_replicated / params_sharded (parameter owners), reducers (gradient reducers), stages
+(which parts make each stage), optim (master weights and the step), precision (loss
+scaling), schedulers, checkpoint, counts (the collective calls each stage makes per step,
+counted at initialization), rehearsal (each stage's communication path on the training
+thread, rehearsed with the real collectives at initialization on a CPU run, for the doctor),
+engine (the facade).
 
 Importing this package imports nothing of the engine: the names below load on first use
 (module `__getattr__`), so that `zerowatch.engine.hooks`, the observer interface the agent's

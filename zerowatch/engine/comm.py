@@ -55,11 +55,11 @@ def init_distributed() -> None:
     if there is one and torch.distributed is not initialised yet; a plain `python train.py`
     runs as a single rank and joins nothing.
 
-    With CUDA the group is "cpu:gloo,cuda:nccl" (NCCL for CUDA tensors, gloo for CPU ones:
-    a plain "nccl" group cannot carry the CPU tensors of an offloaded optimizer) and this
-    process's GPU is made current first; without CUDA it is gloo. The rendezvous is torch's
-    env:// with the launcher's rank and size; a SLURM or Open MPI job's MASTER_ADDR and
-    MASTER_PORT are put in os.environ for it when they are not there.
+    With CUDA the group is "cpu:gloo,cuda:nccl" (NCCL for CUDA tensors, gloo for CPU ones,
+    which a plain "nccl" group has no backend for: a script's own CPU collectives, the gloo
+    ring) and this process's GPU is made current first; without CUDA it is gloo. The
+    rendezvous is torch's env:// with the launcher's rank and size; a SLURM or Open MPI
+    job's MASTER_ADDR and MASTER_PORT are put in os.environ for it when they are not there.
 
     Raises:
         launch.LaunchError: the environment describes the job only in part.
@@ -237,7 +237,8 @@ class Comm:
             _ring_for(self) if self.enabled and self.world_size > 1 and _use_ring(group) else None
         )
         #: A group made with "nccl" (or with no backend on a CUDA machine) has no backend for
-        #: CPU tensors: the few the engine sends (the offloaded gradient norm) go by the GPU.
+        #: CPU tensors: one handed to all_reduce or broadcast goes by the GPU. (The engine's
+        #: per-step collectives are all on the device, offloaded or not.)
         self.cpu_through_gpu = (self.enabled and self.world_size > 1
                                 and "cpu" not in device_backends(group)
                                 and torch.cuda.is_available())  # fmt: skip
