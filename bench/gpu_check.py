@@ -99,18 +99,21 @@ def reference_state(device: torch.device, steps: int, world: int = 1) -> dict[st
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
-def engine_state(config: dict[str, Any], steps: int, world: int = 1,
-                 rank: int = 0) -> tuple[str, dict[str, torch.Tensor]]:  # fmt: skip
-    """Train the engine; (its device, its consolidated fp32 weights on the CPU)."""
+def engine_state(config: dict[str, Any], steps: int, world: int = 1, rank: int = 0,
+                 ) -> tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor]]:  # fmt: skip
+    """Train the engine; (its device, its consolidated fp32 weights on the CPU: rank 0's,
+    {} on the other ranks, and what this rank holds whole, in fp32 on the CPU)."""
     engine, *_ = zerowatch.initialize(model=make_model(), config=config)
     for s in range(steps):
         for x, y in micro_batches(TINY, s, 1, world, rank):
             engine.backward(engine(x, y))
             engine.step()
     state = {k: v.cpu() for k, v in engine.consolidated_state_dict().items()}
+    local = {k: v.detach().float().cpu()
+             for k, v in engine.module.state_dict().items() if v.numel()}  # fmt: skip
     device = str(engine.device)
     engine.destroy()
-    return device, state
+    return device, state, local
 
 
 def config_name(stage: int, offload: tuple[str, ...]) -> str:
@@ -165,7 +168,7 @@ def single_process_cases(device: torch.device, steps: int) -> list[Row]:
             cfg = ds_config(stage, **dict.fromkeys(off, True))
 
             def run(cfg: dict[str, Any] = cfg) -> tuple[str, float | None, str]:
-                dev, got = engine_state(cfg, steps)
+                dev, got, _ = engine_state(cfg, steps)
                 err, _ = max_relative_error(got, want)
                 return dev, err, verdict(err, dev, device.type)
 
@@ -187,7 +190,7 @@ def one_rank_group_cases(device: torch.device, steps: int, tmp: Path) -> list[Ro
             dist.init_process_group(init_method=f"file://{tmp}/one-rank-{i}", rank=0,
                                     world_size=1, **kwargs)  # fmt: skip
             try:
-                dev, got = engine_state(ds_config(3, offload_optimizer=True), steps)
+                dev, got, _ = engine_state(ds_config(3, offload_optimizer=True), steps)
             finally:
                 dist.destroy_process_group()
             err, _ = max_relative_error(got, want)
@@ -233,8 +236,8 @@ def _gloo_rank(rank: int, world: int, device_type: str, steps: int,
         stage = cfg["zero_optimization"]["stage"]
         if STAGE_OPS[stage] <= accepted:
             t0 = time.perf_counter()
-            dev, state = engine_state(cfg, steps, world, rank)
-            out["runs"][name] = (dev, state, time.perf_counter() - t0)
+            dev, state, local = engine_state(cfg, steps, world, rank)
+            out["runs"][name] = (dev, state, local, time.perf_counter() - t0)
     return out
 
 
@@ -257,9 +260,11 @@ def two_process_gloo_cases(device: torch.device, steps: int) -> list[Row]:
             refused = ", ".join(sorted(STAGE_OPS[stage] - set(ranks[0]["accepted"])))
             rows.append(Row(case, device.type, None, f"SKIP: gloo takes no CUDA {refused}", 0.0))
             continue
-        dev, got, seconds = ranks[0]["runs"][name]
+        dev, got, _, seconds = ranks[0]["runs"][name]
         err, _ = max_relative_error(got, want)
-        same, _ = max_relative_error(ranks[1]["runs"][name][1], got)
+        # Rank 1 gets no consolidated copy: what it holds whole must be rank 0's weights.
+        local = ranks[1]["runs"][name][2]
+        same, _ = max_relative_error(local, {k: got[k] for k in local})
         result = verdict(err, dev, device.type)
         if same != 0.0 and result == "PASS":
             result = "FAIL: the ranks disagree"

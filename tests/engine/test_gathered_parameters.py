@@ -84,26 +84,28 @@ def _plain_run_with_the_change(world: int = 2) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_parameters_are_whole_inside_the_block(case: str, results) -> None:
+    full = results[0][case]["full"]  # rank 0's consolidated weights ({} on rank 1)
     for r in results:
         res = r[case]
-        assert set(res["whole"]) <= set(res["full"])
+        assert set(res["whole"]) <= set(full)
         dtype = torch.bfloat16 if "bf16" in case else torch.float32  # the compute dtype
         for k, got in res["whole"].items():  # the fp32 masters, in the compute dtype
-            torch.testing.assert_close(got, res["full"][k].to(dtype).float(), rtol=0, atol=0)
+            torch.testing.assert_close(got, full[k].to(dtype).float(), rtol=0, atol=0)
         if case.startswith("stage3"):  # released again after the block
             assert res["numel_after"] == 0
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_modifier_ranks_change_becomes_the_training_state(case: str, results) -> None:
-    for r in results:
-        res = r[case]
-        for k, v in res["changed"].items():  # the change, and nothing else, on every rank
-            want = torch.full_like(v, 0.5) if k == TARGET else res["full"][k]
-            assert torch.equal(v, want), k
+    # Rank 0's consolidated weights join every rank's parts: the change, and nothing else,
+    # reached every rank's parameter part and fp32 master.
+    res = results[0][case]
+    assert TARGET in res["changed"]
+    for k, v in res["changed"].items():
+        want = torch.full_like(v, 0.5) if k == TARGET else res["full"][k]
+        assert torch.equal(v, want), k
+    assert all(r[case]["changed"] == {} for r in results[1:])
     if case.endswith("bf16-offload"):
         return  # bf16 training is not compared with the fp32 reference
-    want = _plain_run_with_the_change()
-    for r in results:
-        err, key = max_relative_error(r[case]["trained"], want)
-        assert err < 1e-5, f"{case}: {key} differs by {err:.2e}"
+    err, key = max_relative_error(res["trained"], _plain_run_with_the_change())
+    assert err < 1e-5, f"{case}: {key} differs by {err:.2e}"

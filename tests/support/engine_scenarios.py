@@ -58,7 +58,8 @@ def micro_batches(cfg: GPTConfig, step: int, ga: int, world: int, rank: int):
 
 @dataclass
 class Run:
-    """What a scenario reports back from a rank."""
+    """What a scenario reports back from a rank (`state_dict`: the consolidated weights on
+    rank 0, {} on the other ranks; `extra["local"]`: what the rank holds whole)."""
 
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
     losses: list[float] = field(default_factory=list)
@@ -92,7 +93,15 @@ def engine_run(rank: int, world: int, config: dict[str, Any], steps: int = 20,
     engine, *_ = zerowatch.initialize(model=model, config=config)
     ga = config["gradient_accumulation_steps"]
     losses = train_engine(engine, cfg, steps, ga, world, rank)
-    return Run(engine.consolidated_state_dict(), losses)
+    return Run(engine.consolidated_state_dict(), losses, {"local": local_state(engine)})
+
+
+def local_state(engine: Any) -> dict[str, torch.Tensor]:
+    """What this rank holds whole of the model, in fp32: every parameter at stages 0-2,
+    the persistent ones at stage 3 (released stage-3 parameters are empty), and buffers;
+    what ranks compare, since only rank 0 gets the consolidated weights."""
+    return {k: v.detach().float().clone()
+            for k, v in engine.module.state_dict().items() if v.numel()}  # fmt: skip
 
 
 def reference_run(ga: int, world: int, steps: int = 20, cfg: GPTConfig = TINY, build: Any = None,

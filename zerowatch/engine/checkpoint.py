@@ -1,4 +1,5 @@
-"""Checkpoints: every rank saves its own part; consolidation gathers full fp32 weights.
+"""Checkpoints: every rank saves its own part; consolidation gathers full fp32 weights on
+rank 0, one segment at a time.
 
 Layout of `save_checkpoint(dir, tag)` (tag defaults to `global_step<N>`):
 
@@ -190,7 +191,17 @@ def load(engine: ZeroEngine, load_dir: str | Path, tag: str | None = None) -> st
     return str(path)
 
 
-def consolidated_state_dict(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+def consolidated_state_dict(engine: ZeroEngine,
+                            dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The full weights (from the fp32 masters, cast to `dtype`) and buffers, by the
+    module's state-dict names, on rank 0's host; {} on the other ranks.
+
+    A collective. Segments are all-gathered one at a time into a transient buffer on the
+    training device (a segment: a reduce bucket or a stage-3 unit) and only rank 0 copies
+    its parameters to the host, so rank 0 ends with the model once and the other ranks
+    never hold more than one segment.
+    """
+    keep = engine.rank == 0
     full: dict[int, torch.Tensor] = {}
     for m in engine.masters.masters:
         seg = m.seg
@@ -200,15 +211,20 @@ def consolidated_state_dict(engine: ZeroEngine) -> dict[str, torch.Tensor]:
             engine.comm.all_gather(whole, part, purpose="other").wait()
         else:
             whole = part
-        for s in seg.slots:
-            full[id(s.param)] = whole.narrow(0, s.offset, s.numel).view(s.shape).cpu().clone()
+        if keep:
+            for s in seg.slots:
+                view = whole.narrow(0, s.offset, s.numel).view(s.shape)
+                full[id(s.param)] = view.to("cpu", dtype, copy=True)
+        del whole, part
+    if not keep:
+        return {}
     out: dict[str, torch.Tensor] = {}
     for name, t in engine.module.state_dict(keep_vars=True).items():
         if id(t) in full:
             out[name] = full[id(t)]
         else:
-            v = t.detach().cpu()
-            out[name] = v.float() if v.is_floating_point() else v.clone()
+            v = t.detach()
+            out[name] = v.to("cpu", dtype if v.is_floating_point() else v.dtype, copy=True)
     return out
 
 

@@ -34,6 +34,7 @@ from zerowatch.config import ConfigError, ZeroWatchConfig
 from zerowatch.engine import checkpoint as _checkpoint
 from zerowatch.engine import gathered as _gathered
 from zerowatch.engine import launch
+from zerowatch.engine import zero_init as _zero_init
 from zerowatch.engine.comm import Comm, carries_cuda, device_backends
 from zerowatch.engine.counts import collective_calls
 from zerowatch.engine.flat import Segment, Slot
@@ -154,12 +155,18 @@ class ZeroEngine:
         params, options = _param_groups(module, model_parameters, optimizer)
         self.num_parameters = sum(p.numel() for _, p, _ in params)
         self._unwrap_earlier(module)
-        module.to(device=self.device)
+        # A model built under zerowatch.zero.Init (zero_init.py) is never made whole: its
+        # large trained parameters stay in their parts until ShardedParams adopts them.
+        sharded = self._adopt_partitioned(module, params, zc)
+        if sharded:
+            _zero_init.move(module, self.device)
+        else:
+            module.to(device=self.device)
         if self.dtype != torch.float32:
             for t in [*module.parameters(), *module.buffers()]:
-                if t.is_floating_point():
+                if t.is_floating_point() and id(t) not in sharded:
                     t.data = t.data.to(self.dtype)
-        self._broadcast_initial_state()
+        self._broadcast_initial_state(skip=sharded)
 
         #: Collective calls per step of every stage at a range of bucket sizes (counts.py),
         #: counted before stage 3 empties the parameters; the agent sends it to the doctor.
@@ -169,7 +176,9 @@ class ZeroEngine:
         # ... and each stage's communication path on the training thread, rehearsed on this
         # job's parameters and process group (rehearsal.py: every rank alike), which a run
         # cannot measure for the stages it does not run.
-        manage = management_s(
+        # A partitioned model is not rehearsed: the rehearsal holds every unit gathered at
+        # once, the whole model that Init exists to avoid.
+        manage = None if sharded else management_s(
             module, params, zc, comm=self.comm, world_size=self.world_size, rank=self.rank,
             gradient_accumulation_steps=int(self.gradient_accumulation_steps),
             device=self.device, dtype=self.dtype)  # fmt: skip
@@ -230,6 +239,24 @@ class ZeroEngine:
         engine's collectives afterwards. Idempotent; the engine is not usable after it."""
         self._unhook()
         _gathered.unregister(self)
+
+    def _adopt_partitioned(self, module: nn.Module, params: ParamList, zc: Any) -> set[int]:
+        """For a model built under zero.Init: check the stage, make whole the partitioned
+        parameters that stage 3 keeps whole (frozen ones, those under the persistence
+        threshold); the ids of those that stay partitioned (ShardedParams adopts them)."""
+        parts = _zero_init.partitioned(module)
+        if not parts:
+            return set()
+        if self.zero_stage != 3:
+            raise ConfigError("zero_optimization.stage: a model built under zerowatch.zero.Init "
+                             f"needs stage 3, got stage {self.zero_stage}")  # fmt: skip
+        threshold = int(zc.stage3_param_persistence_threshold)
+        big = {id(p) for _, p, _ in params if p.numel() >= threshold}
+        with torch.no_grad():
+            for p in parts:
+                if id(p) not in big:
+                    _zero_init.materialise(p, self.comm, self.device)
+        return {id(p) for p in parts if id(p) in big}
 
     # -- observers ---------------------------------------------------------------------------
 
@@ -435,26 +462,30 @@ class ZeroEngine:
         return _checkpoint.load(self, load_dir, tag)
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full fp32 weights (and buffers) that load into the plain model; a collective
-        (every rank calls it), the result is returned on every rank."""
+        """Full fp32 weights (and buffers) that load into the plain model, on rank 0's
+        host; the other ranks get an empty dict (DeepSpeed's
+        `_zero3_consolidated_16bit_state_dict` gives them None). A collective: every rank
+        calls it; gathered one segment at a time, so no other rank holds the model."""
         return _checkpoint.consolidated_state_dict(self)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """DeepSpeed's call: rank 0 writes the full weights in the compute dtype (fp32
-        stays fp32) as a plain `state_dict`; a collective. Returns True where written."""
-        full = self.consolidated_state_dict()
+        stays fp32) as a plain `state_dict`; a collective. Returns True where written.
+        Rank 0 holds the model once, in the compute dtype; the other ranks never."""
+        full = _checkpoint.consolidated_state_dict(self, dtype=self.dtype)
         if self.rank != 0:
             return False
-        out = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in full.items()}
         Path(save_dir).mkdir(parents=True, exist_ok=True)
-        torch.save(out, Path(save_dir) / save_filename)
+        torch.save(full, Path(save_dir) / save_filename)
         return True
 
-    def _broadcast_initial_state(self) -> None:
-        """Start every rank from rank 0's parameters and buffers."""
+    def _broadcast_initial_state(self, skip: set[int]) -> None:
+        """Start every rank from rank 0's parameters and buffers (but those in `skip`:
+        partitioned under zero.Init, where the ranks agree already)."""
         if self.world_size == 1:
             return
-        tensors = [*self.module.parameters(), *self.module.buffers()]
+        tensors = [t for t in [*self.module.parameters(), *self.module.buffers()]
+                   if id(t) not in skip]  # fmt: skip
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)

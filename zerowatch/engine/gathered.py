@@ -89,19 +89,4 @@ class GatheredParameters:
                 engine.release_whole(token)
 
 
-class Init:
-    """DeepSpeed's `deepspeed.zero.Init` (build the model already sharded): accepted and
-    does nothing. zerowatch builds the model whole and shards it in `initialize`, so the
-    full model must fit in host memory once."""
-
-    def __init__(self, *_: Any, **__: Any) -> None:
-        pass
-
-    def __enter__(self) -> Init:
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        return None
-
-
-__all__ = ["GatheredParameters", "Init", "register"]
+__all__ = ["GatheredParameters", "register"]

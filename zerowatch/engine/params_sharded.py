@@ -47,6 +47,7 @@ from zerowatch.engine.buffers import BufferPool
 from zerowatch.engine.comm import Comm, Handle
 from zerowatch.engine.flat import Segment
 from zerowatch.engine.phases import Phases
+from zerowatch.engine.zero_init import flat_values
 
 
 class UnitState(enum.Enum):
@@ -98,19 +99,17 @@ class ShardedParams:
         self.pool = pool if pool is not None else BufferPool(device, dtype)
         host = torch.device("cpu")
         home = host if offload else device
-        self.shard_buffer = torch.empty(sum(s.shard_numel for s in segments), device=home,
-                                        dtype=dtype, pin_memory=offload and device.type == "cuda")  # fmt: skip
         self._empty = torch.empty(0, device=device, dtype=dtype)
         self.units: dict[int, _Unit] = {}
         unit_of: dict[nn.Parameter, _Unit] = {}
-        base = 0
         for seg in segments:
-            seg.param_shard = self.shard_buffer.narrow(0, base, seg.shard_numel)
-            base += seg.shard_numel
-            full = torch.empty(seg.padded, device=device, dtype=dtype)
+            # One tensor per unit, allocated as it is filled: the parts of a model built
+            # under zero.Init are freed as their units take them (one buffer for every unit
+            # would hold the model's parts twice at the start).
+            seg.param_shard = torch.empty(seg.shard_numel, device=home, dtype=dtype,
+                                          pin_memory=offload and device.type == "cuda")  # fmt: skip
             with torch.no_grad():
-                seg.flatten_into(full, [s.param.data for s in seg.slots])
-                seg.param_shard.copy_(seg.shard_of(full))
+                self._fill_shard(seg)
             for s in seg.slots:
                 s.param.data = self._empty
             unit = _Unit(seg)
@@ -145,6 +144,21 @@ class ShardedParams:
         self._cursor = {"forward": 0, "backward": 0}
         self._forward_uses: dict[_Unit, list[int]] = {}
         self._forward_prefix: list[int] = [0]
+
+    def _fill_shard(self, seg: Segment) -> None:
+        """This rank's part of the unit, parameter by parameter: the slice of each that
+        falls in it. A parameter built under zero.Init (zero_init.py) is all-gathered
+        alone into a transient buffer (every rank's part of the unit takes slices of
+        other ranks' parts), so the peak is one parameter, never the whole model."""
+        lo_unit, hi_unit = seg.shard_offset, seg.shard_offset + seg.shard_numel
+        seg.param_shard.zero_()  # the padding
+        for s in seg.slots:
+            values = flat_values(s.param, self.comm, self.device)
+            lo, hi = max(s.offset, lo_unit), min(s.offset + s.numel, hi_unit)
+            if lo < hi:
+                seg.param_shard[lo - lo_unit : hi - lo_unit].copy_(
+                    values[lo - s.offset : hi - s.offset])  # fmt: skip
+            del values
 
     # -- hooks -----------------------------------------------------------------------------
 
@@ -313,7 +327,7 @@ class ShardedParams:
     # -- whole values (checkpoints, consolidated weights) ----------------------------------
 
     def param_tensors(self) -> list[torch.Tensor]:
-        return [self.shard_buffer]
+        return [seg.param_shard for seg in self.segments]
 
     def remove_hooks(self) -> None:
         """Take the forward hooks off the model's modules (ZeroEngine.destroy)."""
