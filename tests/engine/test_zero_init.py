@@ -26,7 +26,12 @@ import torch
 import torch.distributed as dist
 from support.engine_harness import run_ranks
 from support.engine_scenarios import (
+    ODD,
+    TIED,
     TINY,
+    AllOddGPT,
+    BufferedGPT,
+    build_frozen,
     ds_config,
     make_model,
     max_relative_error,
@@ -179,10 +184,16 @@ def _job(rank: int, world: int, weights: str) -> dict[str, Any]:
     with _LiveBytes() as consolidation:
         out["state"] = engine.consolidated_state_dict()
     out["consolidate_peak"] = consolidation.peak
-    # Without a load: every rank starts from rank 0's values (seeded 1000 on rank 0).
+    # Without a load: every rank starts from rank 0's values (seeded 1000 on rank 0), and
+    # from rank 0's change made with GatheredParameters before initialize.
     torch.manual_seed(1000 + rank)
     with zerowatch.zero.Init(config_dict_or_path=_config()):
         tiny = GPT(TINY)
+    # Before initialize, GatheredParameters makes a part whole; rank 0's change is kept.
+    head = tiny.lm_head.weight
+    with zerowatch.zero.GatheredParameters(head, modifier_rank=0), torch.no_grad():
+        out["whole_inside"] = head.numel() == head.untyped_storage().nbytes() // 4
+        head.fill_(0.5 if rank == 0 else -7.0)
     engine, *_ = zerowatch.initialize(model=tiny, config=_config())
     out["tiny_state"] = engine.consolidated_state_dict()
     return out
@@ -206,7 +217,9 @@ def test_a_model_built_under_init_loads_full_weights_and_matches_single_process_
     assert err < 1e-5, f"{key} differs by {err:.2e} (relative)"
     torch.manual_seed(1000)
     rank0 = GPT(TINY).state_dict()
+    rank0["lm_head.weight"] = torch.full_like(rank0["lm_head.weight"], 0.5)
     assert max_relative_error(results[0]["tiny_state"], rank0) == (0.0, "")
+    assert all(r["whole_inside"] for r in results)
 
 
 @pytest.mark.slow
@@ -281,6 +294,25 @@ def test_modules_built_under_init_are_partitioned_after_their_init(tmp_path: Pat
     assert zero_init.partition_of(Late().w) is None
 
 
+@pytest.mark.parametrize(
+    ("cfg", "build"),
+    [(TIED, None), (ODD, build_frozen), (TIED, AllOddGPT), (TINY, BufferedGPT)],
+    ids=["tied", "frozen", "all_odd", "buffered"],
+)
+def test_odd_models_built_under_init_match_single_process_adamw(cfg: GPTConfig, build: Any) -> None:
+    """A tied head, a parameter frozen inside the block (gathered whole at initialize), a
+    module called twice, a buffer: one rank, the plain model's values from the same seed."""
+    config = ds_config(3, persistence=10, bucket=300)
+    torch.manual_seed(0)
+    with zerowatch.zero.Init(config_dict_or_path=config):
+        model = (build or GPT)(cfg)
+    engine, *_ = zerowatch.initialize(model=model, config=config)
+    train_engine(engine, cfg, 3, 1, 1, 0)
+    want = reference_run(1, 1, steps=3, cfg=cfg, build=build).state_dict
+    err, key = max_relative_error(engine.consolidated_state_dict(), want)
+    assert err < 1e-5, f"{key} differs by {err:.2e}"
+
+
 def test_load_full_state_dict_names_a_missing_key(tmp_path: Path) -> None:
     with zerowatch.zero.Init():
         model = GPT(TINY)
@@ -314,3 +346,25 @@ def test_a_hugging_face_model_under_init_matches_the_plain_one(tmp_path: Path) -
     x = torch.randint(0, 64, (1, 8))
     with torch.no_grad():
         torch.testing.assert_close(engine(x).logits, other(x).logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_init_on_a_gpu_builds_the_parts_there_and_matches_adamw() -> None:
+    """Modules are built on the GPU inside the block (their initialisation is the GPU's
+    work); the parts stay there, or on the host with offload_param."""
+    for offload in (False, True):
+        config = ds_config(3, offload_param=offload)
+        torch.manual_seed(0)
+        with zerowatch.zero.Init(config_dict_or_path=config):
+            model = GPT(TINY)
+        part = zero_init.partition_of(model.blocks[0].fc.weight)
+        assert part is not None and part.shard.device.type == ("cpu" if offload else "cuda")
+        engine, *_ = zerowatch.initialize(model=model, config=config)
+        assert engine.device.type == "cuda"
+        # Built with the GPU's generator: the reference's weights come from the CPU's.
+        zerowatch.zero.load_full_state_dict(engine, make_model().state_dict())
+        train_engine(engine, TINY, 5, 1, 1, 0)
+        err, key = max_relative_error(engine.consolidated_state_dict(),
+                                      reference_run(1, 1, steps=5).state_dict)  # fmt: skip
+        assert err < 1e-4, key  # TF32/cuBLAS reductions differ slightly from the CPU reference
+        engine.destroy()

@@ -7,8 +7,9 @@ torchrun's, Open MPI's or SLURM's variables), comm (the only caller of torch.dis
 collectives), phases (the only announcer of phase boundaries), flat (segments),
 params_replicated / params_sharded (parameter owners), reducers (gradient reducers), stages
 (which parts make each stage), optim (master weights and the step), precision (loss
-scaling), schedulers, checkpoint, counts (the collective calls each stage makes per step,
-counted at initialization), rehearsal (each stage's communication path on the training
+scaling), schedulers, checkpoint, zero_init (zero.Init: a model built partitioned, and
+full weights loaded one slice per rank), gathered (zero.GatheredParameters), counts (the
+collective calls each stage makes per step, counted at initialization), rehearsal (each stage's communication path on the training
 thread, rehearsed with the real collectives at initialization on a CPU run, for the doctor),
 engine (the facade).
 

@@ -10,8 +10,10 @@ the other stages hold them whole anyway). With `modifier_rank`, what that rank w
 broadcast when the block ends and becomes the training state everywhere: the parameters'
 parts and the fp32 master weights the optimizer steps (DeepSpeed repartitions only the
 parameter itself, so its optimizer keeps the old master values). Without it, changes are
-dropped at stage 3 when the units are released. Only parameters an engine trains take part;
-buffers, frozen parameters and other tensors are left as they are.
+dropped at stage 3 when the units are released. Only parameters an engine trains take part,
+and those of a model built under `zerowatch.zero.Init` before `initialize` (whole inside,
+back to their parts after, the modifier rank's values kept); buffers, frozen parameters and
+other tensors are left as they are.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from zerowatch.engine import zero_init
 
 if TYPE_CHECKING:  # pragma: no cover
     from zerowatch.engine.engine import ZeroEngine
@@ -72,14 +76,19 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._held: list[tuple[ZeroEngine, list[nn.Parameter], Any]] = []
+        self._built: list[nn.Parameter] = []
 
     def __enter__(self) -> None:
         if not self.enabled:
             return
+        # Parameters of a model built under zero.Init that no engine has adopted yet.
+        self._built = zero_init.hold_whole(self.params)
         for engine, params in _by_engine(self.params):
             self._held.append((engine, params, engine.hold_whole(params)))
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
+        built, self._built = self._built, []
+        zero_init.release_whole(built, self.modifier_rank if exc_type is None else None)
         held, self._held = self._held, []
         for engine, params, token in held:
             try:

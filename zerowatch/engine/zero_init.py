@@ -32,7 +32,8 @@ The parts are kept in a table keyed by the parameter (nothing is hung on it). In
 initialisation of a parameter after its module was built (Hugging Face's `post_init`, a
 parent re-initialising its children) writes to the placeholder and is dropped, as under
 DeepSpeed, where it writes to an empty tensor: load trained weights with
-`load_full_state_dict`, or change them with `GatheredParameters` after `initialize`.
+`load_full_state_dict`, or change them with `GatheredParameters` (before `initialize` too:
+`hold_whole` / `release_whole`).
 
 `initialize` (stage 3 only; a clear ConfigError otherwise) adopts the parts without making
 the model whole: a stage-3 unit lays its parameters out back to back, so rank r's part of
@@ -124,11 +125,18 @@ def _owner(t: torch.Tensor) -> nn.Parameter | None:
     return p
 
 
+#: In-place methods that change a tensor's flags or metadata, not its values: they act on
+#: the parameter itself (the placeholder), as without Init.
+_NOT_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_", "detach_",
+                         "rename_", "_fix_weakref"})  # fmt: skip
+
+
 class _Writes(TorchFunctionMode):
     """In-place writes to a placeholder while an Init runs (a parent initialising its
     children, Hugging Face's `post_init`): applied to the whole parameter, gathered for
     the write, and repartitioned from rank 0's result. A write to part of a placeholder
-    (`weight[i].zero_()`) is dropped."""
+    (`weight[i].zero_()`, `weight[i] = x`) is dropped; flags (`requires_grad_`) are set
+    on the parameter."""
 
     def __init__(self, init: Init) -> None:
         super().__init__()
@@ -138,7 +146,11 @@ class _Writes(TorchFunctionMode):
                            kwargs: Any = None) -> Any:  # fmt: skip
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name.endswith("_") and not name.endswith("__"):
+        if name == "__setitem__":  # `weight[i] = x`, `weight.data[:] = x`: part of it
+            target = args[0] if args else None
+            if isinstance(target, torch.Tensor) and _owner(target) is not None:
+                return None
+        elif name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES:
             # A Tensor method gets the tensor first; torch.nn.init passes it as `tensor=`.
             rest, options = (args[1:], kwargs) if args else \
                 ((), {k: v for k, v in kwargs.items() if k != "tensor"})  # fmt: skip
@@ -162,8 +174,9 @@ class Init:
         enabled: False makes the block do nothing.
         dtype: the parts' dtype (wins over the config's precision).
         config: DeepSpeed's older name for `config_dict_or_path`.
-        **kwargs: DeepSpeed's other arguments (data_parallel_group, remote_device,
-            pin_memory, mem_efficient_linear, mpu, ...), accepted and not needed.
+        remote_device: "cpu" keeps the parts on the host (as `offload_param` does).
+        **kwargs: DeepSpeed's other arguments (data_parallel_group, pin_memory,
+            mem_efficient_linear, mpu, ...), accepted and not needed.
     """
 
     def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
@@ -171,11 +184,12 @@ class Init:
                  pin_memory: bool = False, config_dict_or_path: Any = None, config: Any = None,
                  enabled: bool = True, dtype: torch.dtype | None = None, mpu: Any = None,
                  **kwargs: Any) -> None:  # fmt: skip
-        del module, data_parallel_group, mem_efficient_linear, remote_device, pin_memory, mpu
+        del module, data_parallel_group, mem_efficient_linear, pin_memory, mpu
         del kwargs
         self.enabled = enabled
         self.source = config_dict_or_path if config_dict_or_path is not None else config
         self.dtype = dtype
+        self.remote_device = str(remote_device) if remote_device is not None else None
         self._patched: list[tuple[type, Any]] = []
         self._depth: dict[int, int] = {}
         self._active = False
@@ -196,10 +210,17 @@ class Init:
                 load_config(self.source, world_size=self.world_size)  # fmt: skip
             offload = cfg.zero_optimization.offload_param.device == "cpu"
             self.dtype = self.dtype or DTYPES[cfg.precision]
+        offload = offload or self.remote_device == "cpu"
         self.home = torch.device("cpu") if offload else self.device
         self._patch()
         self._writes = _Writes(self)
         self._writes.__enter__()
+        # On a GPU, modules are built there (their initialisation is the GPU's work, the
+        # broadcast goes straight over NCCL), unless the script chose a device (meta).
+        self._on_device: Any = None
+        if self.device.type == "cuda" and torch.get_default_device().type == "cpu":
+            self._on_device = torch.device(self.device)
+            self._on_device.__enter__()
         _ACTIVE.append(self)
         self._active = True
         return self
@@ -209,6 +230,8 @@ class Init:
             return
         self._active = False
         _ACTIVE.remove(self)
+        if self._on_device is not None:
+            self._on_device.__exit__(None, None, None)
         self._writes.__exit__(None, None, None)
         _BY_PTR.clear()  # only writes inside the block are redirected
         for cls, original in reversed(self._patched):
@@ -338,6 +361,46 @@ def flat_values(param: nn.Parameter, comm: Comm, device: torch.device) -> torch.
     return _gathered(part, comm, device)[: part.numel]
 
 
+def _comm() -> tuple[Comm, torch.device]:
+    from zerowatch.engine.engine import pick_device
+
+    return Comm(ObserverRegistry()), pick_device()
+
+
+def hold_whole(params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """Make the partitioned parameters among `params` whole on every rank (their data, on
+    the training device) until `release_whole`: `GatheredParameters` on a model built
+    under Init that no engine has adopted yet. A collective; the parameters held."""
+    held = [p for p in dict.fromkeys(params) if p in _PARTS]
+    if held:
+        comm, device = _comm()
+        with torch.no_grad():
+            for p in held:
+                part = _PARTS[p]
+                p.data = _gathered(part, comm, device)[: part.numel].view(part.shape)
+    return held
+
+
+def release_whole(held: list[nn.Parameter], modifier_rank: int | None) -> None:
+    """Back to parts; with `modifier_rank`, that rank's values (broadcast) become them."""
+    if not held:
+        return
+    comm, device = _comm()
+    with torch.no_grad():
+        for p in held:
+            part = _PARTS[p]
+            if modifier_rank is not None:
+                whole = p.data.reshape(-1).to(device, copy=True)
+                if comm.world_size > 1:
+                    comm.broadcast(whole, src=modifier_rank, purpose="other")
+                lo = min(part.rank * part.shard.numel(), part.numel)
+                hi = min(lo + part.shard.numel(), part.numel)
+                part.shard[: hi - lo].copy_(whole[lo:hi])
+            p.data = placeholder(part.shape, p.device, p.dtype)
+            if _ACTIVE:  # inside an Init block: its writes find this placeholder again
+                _BY_PTR[p.data_ptr()] = weakref.ref(p)
+
+
 def materialise(param: nn.Parameter, comm: Comm, device: torch.device) -> None:
     """Make a partitioned parameter whole again on every rank (its data, on `device`)."""
     values = flat_values(param, comm, device)
@@ -455,10 +518,12 @@ __all__ = [
     "Init",
     "Partition",
     "flat_values",
+    "hold_whole",
     "load_full_state_dict",
     "materialise",
     "move",
     "partition_of",
     "partitioned",
     "placeholder",
+    "release_whole",
 ]
