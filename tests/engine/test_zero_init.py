@@ -313,6 +313,39 @@ def test_odd_models_built_under_init_match_single_process_adamw(cfg: GPTConfig, 
     assert err < 1e-5, f"{key} differs by {err:.2e}"
 
 
+@pytest.mark.parametrize("suffix", [".bin", ".safetensors"])
+def test_a_weights_file_is_read_by_slices(suffix: str, tmp_path: Path) -> None:
+    """Any flat range of a tensor, across rows, from a torch file (memory-mapped) or a
+    .safetensors file (rows read on demand)."""
+    state = {"w": torch.randn(7, 5, 3), "b": torch.randn(11), "s": torch.tensor(2.0)}
+    path = tmp_path / f"weights{suffix}"
+    if suffix == ".safetensors":
+        safetensors_torch = pytest.importorskip("safetensors.torch")
+        safetensors_torch.save_file(state, str(path))
+    else:
+        torch.save(state, path)
+    source = zero_init._Source(path)
+    assert sorted(source.keys()) == ["b", "s", "w"]
+    for name, t in state.items():
+        flat = t.reshape(-1)
+        for lo, hi in [
+            (0, flat.numel()),
+            (0, 1),
+            (4, 9),
+            (14, 16),
+            (flat.numel() - 1, flat.numel()),
+        ]:
+            if hi <= flat.numel():
+                assert torch.equal(source.flat(name, lo, hi), flat[lo:hi]), (name, lo, hi)
+        assert torch.equal(source.whole(name), t)
+
+
+def test_init_can_be_turned_off() -> None:
+    with zerowatch.zero.Init(enabled=False):
+        plain = nn.Linear(2, 2)
+    assert zero_init.partition_of(plain.weight) is None and plain.weight.numel() == 4
+
+
 def test_load_full_state_dict_names_a_missing_key(tmp_path: Path) -> None:
     with zerowatch.zero.Init():
         model = GPT(TINY)
