@@ -3,7 +3,7 @@ full weights into a partitioned engine one parameter at a time.
 
     torch.manual_seed(0)                          # not needed for agreement (see below)
     with zerowatch.zero.Init(config_dict_or_path=ds_config):
-        model = MyModel()                         # never whole on a rank, a layer at most
+        model = MyModel()                         # one parameter whole at a time, at most
     engine, *_ = zerowatch.initialize(model=model, config=ds_config)      # stage 3
     zerowatch.zero.load_full_state_dict(engine, "pytorch_model.bin")      # optional
 
@@ -30,10 +30,12 @@ Partitioning one parameter of Ψ_p elements on N ranks:
 
 The parts are kept in a table keyed by the parameter (nothing is hung on it). In-place
 initialisation of a parameter after its module was built (Hugging Face's `post_init`, a
-parent re-initialising its children) writes to the placeholder and is dropped, as under
-DeepSpeed, where it writes to an empty tensor: load trained weights with
-`load_full_state_dict`, or change them with `GatheredParameters` (before `initialize` too:
-`hold_whole` / `release_whole`).
+parent re-initialising its children) is applied to the whole parameter, gathered for that
+write, and rank 0's result is kept (`_Writes`); a write to part of one is dropped, as
+DeepSpeed drops every such write (it writes to an empty tensor). Load trained weights with
+`load_full_state_dict`; change parts of parameters with `GatheredParameters`, which works
+before `initialize` too (`hold_whole` / `release_whole`). On a GPU the modules are built
+there inside the block, unless the script chose a device itself (`torch.device("meta")`).
 
 `initialize` (stage 3 only; a clear ConfigError otherwise) adopts the parts without making
 the model whole: a stage-3 unit lays its parameters out back to back, so rank r's part of
@@ -116,7 +118,7 @@ def placeholder(shape: torch.Size, device: torch.device, dtype: torch.dtype) -> 
 
 def _owner(t: torch.Tensor) -> nn.Parameter | None:
     """The partitioned parameter whose placeholder `t` views, if any."""
-    if t.is_meta or t.numel() <= 1:
+    if t.is_meta:  # every meta tensor's data_ptr is 0; writes to them do nothing anyway
         return None
     ref = _BY_PTR.get(t.data_ptr())
     p = ref() if ref is not None else None
@@ -309,13 +311,13 @@ class Init:
                 shard = torch.empty(part, device="meta", dtype=dtype)
             else:
                 whole = p.data.reshape(-1)
-                if n > 1:  # every rank starts from rank 0's values
-                    whole = whole.to(self.device, copy=True)
+                if n > 1:  # every rank starts from rank 0's values (written over p's own)
+                    whole = whole.to(self.device)
                     self.comm.broadcast(whole, src=0, purpose="other")
                 shard = torch.zeros(part, device=self.home, dtype=dtype)
                 shard[: hi - lo].copy_(whole[lo:hi])
                 del whole
-            p.data = placeholder(p.shape, p.device, p.dtype)
+            p.data = placeholder(p.shape, p.device, dtype)  # the model reports the parts' dtype
         _PARTS[p] = Partition(shard, p.shape, n, r)
         if not p.is_meta:
             _BY_PTR[p.data_ptr()] = weakref.ref(p)
