@@ -184,6 +184,9 @@ def _job(rank: int, world: int, weights: str) -> dict[str, Any]:
     with _LiveBytes() as consolidation:
         out["state"] = engine.consolidated_state_dict()
     out["consolidate_peak"] = consolidation.peak
+    with _LiveBytes() as saving:
+        out["saved"] = engine.save_16bit_model(str(Path(weights).parent / "saved"))
+    out["save_peak"] = saving.peak
     # Without a load: every rank starts from rank 0's values (seeded 1000 on rank 0), and
     # from rank 0's change made with GatheredParameters before initialize.
     torch.manual_seed(1000 + rank)
@@ -238,13 +241,18 @@ def test_start_up_never_holds_the_whole_model(ranks: Any) -> None:
 
 @pytest.mark.slow
 def test_consolidation_holds_the_whole_model_on_rank_zero_only(ranks: Any) -> None:
+    """consolidated_state_dict and save_16bit_model: rank 0 holds the model once, the
+    others one segment at a time (today's code built it on every rank)."""
     world, results = ranks
     whole = results[0]["whole_bytes"]
     assert results[0]["consolidate_peak"] >= whole
     assert set(results[0]["state"]) == set(GPT(MEDIUM).state_dict())
+    assert results[0]["saved"] and results[0]["save_peak"] >= whole  # fp32: the compute dtype
     for rank in range(1, world):
         assert results[rank]["state"] == {} and results[rank]["tiny_state"] == {}
         assert results[rank]["consolidate_peak"] < 0.25 * whole, results[rank]["consolidate_peak"]
+        assert not results[rank]["saved"]
+        assert results[rank]["save_peak"] < 0.25 * whole, results[rank]["save_peak"]
 
 
 # -- one process -----------------------------------------------------------------------------
