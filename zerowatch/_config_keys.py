@@ -37,6 +37,8 @@ HONOURED: dict[str, str] = {
     "train_micro_batch_size_per_gpu": "batch per rank per forward; `auto` from the other two",
     "gradient_accumulation_steps": "micro-batches per optimizer step; `auto` from the other two",
     "gradient_clipping": "max global gradient norm across shards (0 = off)",
+    "gradient_predivide_factor": "f > 1: gradients times 1/f before the sum across ranks, f/N after; 1: divided by N before the sum",
+    "prescale_gradients": "accepted; gradients are divided before the sum either way",
     "steps_per_print": "how often the engine logs (rank 0)",
     "wall_clock_breakdown": "accepted; the agent always records per-phase wall clock",
     "zero_allow_untested_optimizer": "accepted; only Adam and AdamW exist here either way",
@@ -172,10 +174,6 @@ REFUSED: dict[str, Refused] = {
     "weight_quantization": Refused("weight quantisation is not implemented", (None, {})),
     "quantize_training": Refused("quantised training is not implemented"),
     "sparse_gradients": Refused("sparse gradients are not implemented"),
-    "prescale_gradients": Refused("gradients are averaged after the reduction"),
-    "gradient_predivide_factor": Refused(
-        "gradients are averaged after the reduction", (None, 1, 1.0)
-    ),
     "communication_data_type": Refused("collectives run in the training precision"),
     "data_types": Refused("gradients accumulate in the training precision", (None, {})),
     "disable_allgather": Refused("the all-gather of updated parameters cannot be turned off"),

@@ -130,6 +130,11 @@ class ZeroWatchConfig:
     train_micro_batch_size_per_gpu: int | None = None
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 0.0
+    gradient_predivide_factor: float = 1.0
+    """Gradients are multiplied by 1/f before the sum across ranks and by f/N after (N the
+    world size); 1 (DeepSpeed's default) divides by N before the sum, as DeepSpeed's
+    reduce-scatter path does, so that fp16 sums cannot grow with N."""
+    prescale_gradients: bool = False
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
@@ -222,6 +227,10 @@ def load_config(
         train_micro_batch_size_per_gpu=micro,
         gradient_accumulation_steps=accum,
         gradient_clipping=top.number("gradient_clipping", 0.0, min=0.0),
+        gradient_predivide_factor=top.number(
+            "gradient_predivide_factor", 1.0, min=0.0, exclusive=True
+        ),
+        prescale_gradients=top.boolean("prescale_gradients", False),
         zero_optimization=zero,
         fp16=fp16,
         bf16=bf16,

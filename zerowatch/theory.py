@@ -142,6 +142,10 @@ def model_state_bytes(
         # Persistent parameters stay on the device (they are used whole every step).
         device["params"] = p * persistent_params
         host["params"] = params - device["params"]
+        if not mixed and not offload_optimizer:
+            # The host's fp32 parts cannot be the master the device's optimizer steps: a
+            # device copy of the sharded part is.
+            device["master_weights"] = MASTER_BYTES * (part_params - persistent_params)
     return ModelStateBytes(device=device, host=host)
 
 

@@ -24,6 +24,8 @@ CASES = {
     "stage3": ds_config(3, ga=GA, overlap=True),
     "stage1-offload": ds_config(1, ga=GA, offload_optimizer=True),
     "stage2-bf16-offload": ds_config(2, ga=GA, precision="bf16", offload_optimizer=True),
+    # fp32 parameter parts on the host: the master the device's optimizer steps is a copy.
+    "stage3-offload-param": ds_config(3, ga=GA, offload_param=True),
     "stage3-bf16-offload-all": ds_config(
         3, ga=GA, precision="bf16", offload_optimizer=True, offload_param=True
     ),

@@ -49,13 +49,13 @@ def _train(rank: int, world: int, build: Any, cfg: Any = TINY, **zero: Any) -> d
     engine, *_ = zerowatch.initialize(model=make_model(cfg, build), config=config)
     sharded = engine.parts.owners[0]
     held: list[int] = []  # elements gathered after each prefetch decision
-    prefetch_after = sharded._prefetch_after
+    prefetch = sharded._prefetch
 
-    def counted_prefetch(unit: Any, mode: str) -> None:
-        prefetch_after(unit, mode)
+    def counted_prefetch(mode: str) -> None:
+        prefetch(mode)
         held.append(sharded.gathered_numel)
 
-    sharded._prefetch_after = counted_prefetch
+    sharded._prefetch = counted_prefetch
     gathers = ForwardGatherBytes()
     engine.add_observer(gathers)
     train_engine(engine, TINY, STEPS, 1, world, rank)

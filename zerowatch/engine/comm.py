@@ -243,6 +243,17 @@ class Comm:
                                 and "cpu" not in device_backends(group)
                                 and torch.cuda.is_available())  # fmt: skip
 
+    def twin(self) -> Comm:
+        """A Comm with the same observers on a new process group of the same ranks (a
+        collective: every rank calls it at the same point). Two kinds of collective whose
+        relative timing depends on each rank's autograd graph (stage 3's parameter gathers
+        and gradient reductions) each get a group of their own, so that each group sees
+        one order on every rank."""
+        if not self.enabled or self.world_size == 1:
+            return Comm(self.observers, self.group)
+        ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+        return Comm(self.observers, dist.new_group(ranks))
+
     # -- reporting -------------------------------------------------------------------------
 
     def _emit(self, op: str, purpose: str, nbytes: int, start: float, end: float,

@@ -138,6 +138,10 @@ class ZeroEngine:
         self.zero_stage = int(zc.stage)
         self.precision = config.precision
         self.dtype = DTYPES[self.precision]
+        #: What gradients are divided by before the sum across ranks; the rest of the world
+        #: size after it (config.gradient_predivide_factor).
+        f = float(config.gradient_predivide_factor)
+        self.predivide = f if f != 1.0 else float(self.world_size)
         if zc.offload_param.device == "cpu" and self.zero_stage != 3:
             raise ConfigError("zero_optimization.offload_param: needs stage 3, "
                              f"got stage {self.zero_stage}")  # fmt: skip
@@ -166,7 +170,7 @@ class ZeroEngine:
             for t in [*module.parameters(), *module.buffers()]:
                 if t.is_floating_point() and id(t) not in sharded:
                     t.data = t.data.to(self.dtype)
-        self._broadcast_initial_state(skip=sharded)
+        self._broadcast_initial_state(skip=sharded, max_numel=max(int(zc.reduce_bucket_size), 1))
 
         #: Collective calls per step of every stage at a range of bucket sizes (counts.py),
         #: counted before stage 3 empties the parameters; the agent sends it to the doctor.
@@ -187,7 +191,8 @@ class ZeroEngine:
             if 3 in manage:  # the one figure of the agents and servers before the table
                 self.collective_calls["stage3_management_s"] = manage[3]
         self.parts = compose(self.zero_stage, module, params, zc, self.comm, self.phases,
-                             device=self.device, dtype=self.dtype)  # fmt: skip
+                             device=self.device, dtype=self.dtype,
+                             grad_comm=self.comm.twin() if self.zero_stage == 3 else None)  # fmt: skip
         # Called by destroy(), or when this engine is collected: it holds the parts, not
         # the engine, so it does not keep a discarded engine alive.
         self._unhook = weakref.finalize(self, self.parts.remove_hooks)
@@ -302,17 +307,20 @@ class ZeroEngine:
         gradients are reduced as they are produced."""
         sync = self.is_gradient_accumulation_boundary()
         with self.phases.phase("backward"):
+            # Divided before the sum across ranks (`predivide`), in the loss: gradients are
+            # linear in it, and the multiplication is one the loss scale needs anyway.
+            factor = self.scaler.scale / (self.gradient_accumulation_steps * self.predivide)
+            scaled = loss if factor == 1.0 else loss.float() * factor
             for r in self.parts.reducers:
-                r.begin_backward(sync)
+                r.begin_backward(sync, roots=[scaled])
             for o in self.parts.owners:
                 o.begin_pass("backward")
-            factor = self.scaler.scale / self.gradient_accumulation_steps
-            scaled = loss if factor == 1.0 else loss.float() * factor
             scaled.backward(retain_graph=retain_graph)
-            for r in self.parts.reducers:
-                r.end_backward()
+            # The owners finish the pass's gathers before the reducers wait for anything.
             for o in self.parts.owners:
                 o.end_pass("backward")
+            for r in self.parts.reducers:
+                r.end_backward()
         return loss
 
     def step(self) -> None:
@@ -323,7 +331,7 @@ class ZeroEngine:
             return
         with self.phases.phase("optimizer_step"):
             stats = self.masters.step(
-                self.optimizer, grad_divisor=self.world_size * self.scaler.scale,
+                self.optimizer, grad_divisor=self.world_size / self.predivide * self.scaler.scale,
                 clip=float(self.config.gradient_clipping),
                 skip_nonfinite=self.precision == "fp16", loss_scale=self.scaler.reported)  # fmt: skip
             self.scaler.update(stats.nonfinite)
@@ -479,9 +487,12 @@ class ZeroEngine:
         torch.save(full, Path(save_dir) / save_filename)
         return True
 
-    def _broadcast_initial_state(self, skip: set[int]) -> None:
+    def _broadcast_initial_state(self, skip: set[int], max_numel: int) -> None:
         """Start every rank from rank 0's parameters and buffers (but those in `skip`:
-        partitioned under zero.Init, where the ranks agree already)."""
+        partitioned under zero.Init, where the ranks agree already). Small tensors of one
+        dtype go together, concatenated in runs of at most `max_numel` elements
+        (`reduce_bucket_size`); a larger one alone, in place: the transient is a bucket,
+        not a second copy of the model."""
         if self.world_size == 1:
             return
         tensors = [t for t in [*self.module.parameters(), *self.module.buffers()]
@@ -489,14 +500,26 @@ class ZeroEngine:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
-        for ts in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in ts])
-            self.comm.broadcast(flat, src=0)
-            offset = 0
-            with torch.no_grad():
-                for t in ts:
-                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
+        with torch.no_grad():
+            for ts in by_dtype.values():
+                run: list[torch.Tensor] = []
+                for t in [*ts, None]:
+                    if run and (t is None or sum(r.numel() for r in run) + t.numel() > max_numel):
+                        self._broadcast_run(run)
+                        run = []
+                    if t is not None:
+                        run.append(t)
+
+    def _broadcast_run(self, run: list[torch.Tensor]) -> None:
+        if len(run) == 1 and run[0].is_contiguous():
+            self.comm.broadcast(run[0].detach(), src=0)
+            return
+        flat = torch.cat([t.detach().reshape(-1) for t in run])
+        self.comm.broadcast(flat, src=0)
+        offset = 0
+        for t in run:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 def initialize(model: nn.Module | None = None, config: Any = None, model_parameters: Any = None,

@@ -66,6 +66,8 @@ class Segment:
         # Filled in by the owner and the reducer.
         self.param_shard: torch.Tensor = torch.empty(0)
         self.grad_shard: torch.Tensor = torch.empty(0)
+        #: The owner keeps `param_shard` in host memory (stage 3's offload_param).
+        self.param_shard_on_host = False
 
     @property
     def sharded(self) -> bool:

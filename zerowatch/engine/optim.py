@@ -6,14 +6,16 @@ master copy of the part of that segment this rank owns (the whole segment in sta
 * fp32 without offload: the master *is* the rank's part of the parameters (a view into
   the same storage), so nothing is copied and no extra memory is held.
 * bf16/fp16, or any offload: the master is a separate fp32 copy (on the host with
-  `offload_optimizer`), updated by the optimizer and copied back (cast) into the parameter
-  part after the step.
+  `offload_optimizer`, else on the device: with `offload_param` alone the parameter parts
+  live on the host while the gradients and the optimizer live on the device), updated by
+  the optimizer and copied back (cast) into the parameter part after the step.
 
 One step:
   1. squared norm of every gradient part (one all-reduce of a scalar when parts are
-     sharded), scaled by 1/(N * loss_scale) since reducers leave sums over ranks;
+     sharded), scaled by `grad_divisor` = loss_scale × what is left of N (the reducers
+     leave sums over ranks of gradients divided before the sum, engine.py `predivide`);
   2. non-finite norm under fp16: skip the step (the scaler lowers the scale);
-  3. gradients times 1/(N * loss_scale) * min(1, clip / (norm + 1e-6)) (torch's
+  3. gradients times 1/grad_divisor * min(1, clip / (norm + 1e-6)) (torch's
      clip_grad_norm_ coefficient), copied to the host first with `offload_optimizer`;
   4. `optimizer.step()` on the masters, then masters -> parameter parts.
 """
@@ -80,7 +82,9 @@ class MasterWeights:
         pin = offload and device.type == "cuda"
         self.masters: list[_Master] = []
         for seg in segments:
-            alias = precision == "fp32" and not offload
+            # Parameter parts kept on the host (offload_param) cannot be the master the
+            # optimizer steps on the device with the device's gradients.
+            alias = precision == "fp32" and not offload and not seg.param_shard_on_host
             if alias:
                 param = nn.Parameter(seg.param_shard)
                 host_grad = None
@@ -155,11 +159,12 @@ class MasterWeights:
                 continue
             dst = m.seg.param_shard
             with torch.no_grad():
-                if self.offload and not self.params_on_host:
-                    with self.phases.offload("h2d", dst.numel() * dst.element_size()):
-                        dst.copy_(m.param)
-                else:
+                if dst.device == m.param.device:
                     dst.copy_(m.param)
+                else:  # offload_optimizer to device parts, or device masters to offload_param
+                    way = "h2d" if dst.device.type != "cpu" else "d2h"
+                    with self.phases.offload(way, dst.numel() * dst.element_size()):
+                        dst.copy_(m.param)
 
     # -- memory ----------------------------------------------------------------------------
 

@@ -15,15 +15,22 @@ an empty tensor and the rank keeps only its part of the unit's flat buffer
                calls `release` (the gathered copy is not needed any more)
 
 so a micro-batch all-gathers every unit twice and reduce-scatters it once: 3Ψ (the ZeRO
-paper's stage-3 volume). Prefetch: the first forward and backward record the order in which
-units are needed; later passes issue the next units' all-gathers asynchronously (up to
-`stage3_prefetch_bucket_size` elements ahead) so they overlap with compute, as long as at
-most `stage3_max_live_parameters` elements are gathered (DeepSpeed's meaning: every
-gathered element counts, in use or not; the units a module needs are gathered whatever the
-bound). A unit that the recorded forward uses again within `stage3_max_reuse_distance`
-elements (a block called twice, a weight tied to the LM head) stays gathered until that use
-instead of being gathered anew, while the live bound allows. Every unit is released at the
-end of a pass; within the reuse distance each pass gathers every unit once: 3Ψ per micro-batch.
+paper's stage-3 volume).
+
+One order on every rank: ranks whose forward skips different modules (MoE routing, a
+conditional block) must still issue the same gathers in the same order, so gathers follow
+a schedule, not this rank's hooks: the units by index in forward, the reverse in backward.
+A rank that needs a unit gathers every unit the schedule passes on the way (the ones
+another rank's branch uses), and the end of a pass gathers what the schedule has left.
+Prefetch issues the next units' gathers asynchronously, up to `stage3_prefetch_bucket_size`
+elements ahead along the schedule, while the schedule's window from the unit just reached
+holds at most `stage3_max_live_parameters` elements (counted along the schedule, not from
+what this rank holds, so every rank prefetches alike). A unit the first forward used again
+(a block called twice, a weight tied to the LM head) stays gathered after a use when its
+next use comes within `stage3_max_reuse_distance` elements of the schedule; else it is
+gathered again where it is needed. Every unit is released at the end of a pass. The
+gradient reduce-scatters go on a process group of their own (stages.py): see
+docs/gpu.md, "One order of collectives on every rank".
 
 Small parameters (`stage3_param_persistence_threshold`) are not in any unit: they stay
 whole on every rank (see `ReplicatedParams`). A module that uses a parameter registered on
@@ -36,6 +43,7 @@ from __future__ import annotations
 import bisect
 import enum
 import itertools
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -139,11 +147,27 @@ class ShardedParams:
                 self._module_units[m] = needed
                 self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
                 self._hooks.append(m.register_forward_hook(self._post_forward))
-        self._order: dict[str, list[_Unit]] = {"forward": [], "backward": []}
-        self._recorded = {"forward": False, "backward": False}
-        self._cursor = {"forward": 0, "backward": 0}
+        for seg in segments:
+            seg.param_shard_on_host = offload
+        # The schedule every rank walks (see "One order on every rank" in the module
+        # docstring): units by index in forward, the reverse in backward.
+        forward = [self.units[seg.index] for seg in sorted(segments, key=lambda s: s.index)]
+        self._schedule = {"forward": forward, "backward": forward[::-1]}
+        self._place = {mode: {u: i for i, u in enumerate(units)}
+                       for mode, units in self._schedule.items()}  # fmt: skip
+        self._cursor = {"forward": 0, "backward": 0}  # schedule positions passed this pass
+        #: Told of each unit the backward's schedule reaches (stage 3's gradient reducer).
+        self.on_backward_gather: Callable[[Segment], None] | None = None
+        #: Elements of the forward schedule before each position.
+        self._schedule_prefix = list(
+            itertools.accumulate((u.seg.numel for u in forward), initial=0)
+        )
+        # The first forward's uses, and the schedule position at each: where a unit is
+        # needed again (reuse).
+        self._recorded = False
+        self._uses: list[tuple[_Unit, int]] = []
+        self._use_cursor = 0
         self._forward_uses: dict[_Unit, list[int]] = {}
-        self._forward_prefix: list[int] = [0]
 
     def _fill_shard(self, seg: Segment) -> None:
         """This rank's part of the unit, parameter by parameter: the slice of each that
@@ -191,56 +215,75 @@ class ShardedParams:
     # -- gather / release ------------------------------------------------------------------
 
     def _fetch(self, units: list[_Unit], mode: str) -> None:
-        """Make `units` gathered, issuing the next ones' gathers ahead (prefetch)."""
+        """Make `units` gathered: walk the schedule up to them (gathering what it passes),
+        then issue the next ones' gathers ahead (prefetch)."""
         with self.phases.phase("param_gather"):
-            for u in units:
-                if u.state is UnitState.SHARDED:
+            place, schedule = self._place[mode], self._schedule[mode]
+            for u in sorted(units, key=place.__getitem__):
+                at = place[u]
+                if at >= self._cursor[mode]:
+                    for passed in schedule[self._cursor[mode] : at + 1]:
+                        self._pass(passed, mode)
+                    self._cursor[mode] = at + 1
+                elif u.state is UnitState.SHARDED:  # needed again: outside the schedule
                     self._start(u)
-            if self._recorded[mode]:
-                self._prefetch_after(units[-1], mode)
-            else:
-                self._order[mode].extend(units)
+            self._prefetch(mode)
+            if mode == "forward":
+                self._note_use(units)
             for u in units:
                 self._wait(u)
 
-    def _prefetch_after(self, unit: _Unit, mode: str) -> None:
-        order = self._order[mode]
-        try:
-            pos = order.index(unit, self._cursor[mode])
-        except ValueError:
-            return
-        self._cursor[mode] = pos + 1
+    def _prefetch(self, mode: str) -> None:
+        """Gather the units after the cursor, up to `prefetch_numel` elements, while the
+        schedule's window from the unit just reached stays within `max_live_numel`. Both
+        are counted along the schedule, not from what this rank holds, so every rank
+        prefetches the same units."""
+        schedule, cursor = self._schedule[mode], self._cursor[mode]
         budget = self.prefetch_numel
-        for nxt in itertools.islice(order, pos + 1, None):
+        window = schedule[cursor - 1].seg.numel if cursor > 0 else 0
+        for nxt in itertools.islice(schedule, cursor, None):
             if budget <= 0:
                 break
             budget -= nxt.seg.numel
-            if nxt.state is UnitState.SHARDED:
-                if self.gathered_numel + nxt.seg.numel > self.max_live_numel:
-                    break
-                self._start(nxt)
+            window += nxt.seg.numel
+            if nxt.state is UnitState.SHARDED and window > self.max_live_numel:
+                break
+            self._pass(nxt, mode)
+
+    def _pass(self, u: _Unit, mode: str) -> None:
+        """The schedule reaches `u` (needed, passed on the way, or prefetched): gathered
+        if it is not, and in backward its gradient reducer told (`on_backward_gather`)."""
+        if u.state is UnitState.SHARDED:
+            self._start(u)
+        if mode == "backward" and self.on_backward_gather is not None:
+            self.on_backward_gather(u.seg)
+
+    def _note_use(self, units: list[_Unit]) -> None:
+        """Record the first forward's uses (with the schedule position of each); in later
+        forwards, follow them."""
+        if not self._recorded:
+            self._uses.extend((u, self._cursor["forward"]) for u in units)
+            return
+        for u in units:  # to just past the next recorded use of u (a branch may skip some)
+            uses = self._forward_uses.get(u, [])
+            i = bisect.bisect_left(uses, self._use_cursor)
+            if i < len(uses):
+                self._use_cursor = uses[i] + 1
 
     def _reused_soon(self, unit: _Unit) -> bool:
-        """Whether the recorded forward needs `unit` again within the reuse distance (and
-        holding it stays within the live bound, which counts it already)."""
-        if self.max_reuse_numel <= 0 or not self._recorded["forward"]:
+        """Whether the recorded forward needs `unit` again before the schedule has passed
+        `max_reuse_numel` more elements. Counted along the schedule, so every rank that
+        needs it again decides alike."""
+        if self.max_reuse_numel <= 0 or not self._recorded:
             return False
-        here = self._cursor["forward"]  # just past the last unit fetched
         uses = self._forward_uses.get(unit, [])
-        i = bisect.bisect_left(uses, here)
+        i = bisect.bisect_left(uses, self._use_cursor)
         if i == len(uses):
             return False
-        between = self._forward_prefix[uses[i]] - self._forward_prefix[here]
-        return between <= self.max_reuse_numel and self.gathered_numel <= self.max_live_numel
-
-    def _index_forward(self) -> None:
-        """Positions of each unit's uses in the recorded forward, and running element sums."""
-        order = self._order["forward"]
-        self._forward_uses = {}
-        self._forward_prefix = [0]
-        for i, u in enumerate(order):
-            self._forward_uses.setdefault(u, []).append(i)
-            self._forward_prefix.append(self._forward_prefix[-1] + u.seg.numel)
+        then = self._uses[uses[i]][1]
+        now = self._cursor["forward"]
+        between = self._schedule_prefix[then] - self._schedule_prefix[min(now, then)]
+        return between <= self.max_reuse_numel
 
     def hold(self, params: list[nn.Parameter]) -> list[_Unit]:
         """Gather the units holding `params` for use outside a pass (GatheredParameters),
@@ -306,20 +349,26 @@ class ShardedParams:
 
     def begin_pass(self, mode: str) -> None:
         self._cursor[mode] = 0
+        if mode == "forward":
+            self._use_cursor = 0
 
     def end_pass(self, mode: str) -> None:
         """After a forward or backward: release what prefetch gathered and nobody used
         (parameter management: announced as param_gather, as in `_post_forward`)."""
         with self.phases.phase("param_gather"):
+            # The rest of the schedule: what this rank's pass did not reach, its peers' did.
+            for u in self._schedule[mode][self._cursor[mode] :]:
+                self._pass(u, mode)
+            self._cursor[mode] = len(self._schedule[mode])
             for u in self.units.values():
                 if u.users == 0:
                     self.release(u.seg)
             if mode == "backward" or not torch.is_grad_enabled():
                 self.pool.clear()  # between steps the engine holds its model states alone
-        if self._order[mode] and not self._recorded[mode]:
-            self._recorded[mode] = True
-            if mode == "forward":
-                self._index_forward()
+        if mode == "forward" and self._uses and not self._recorded:
+            self._recorded = True
+            for i, (u, _) in enumerate(self._uses):
+                self._forward_uses.setdefault(u, []).append(i)
 
     def after_step(self) -> None:
         return

@@ -58,8 +58,14 @@ class Composition:
 
 
 def compose(stage: int, module: nn.Module, params: ParamList, zc: ZeroConfig, comm: Comm,
-            phases: Phases, *, device: torch.device, dtype: torch.dtype) -> Composition:  # fmt: skip
-    """Build the owner(s) and reducer(s) of `stage` over the trainable `params`."""
+            phases: Phases, *, device: torch.device, dtype: torch.dtype,
+            grad_comm: Comm | None = None) -> Composition:  # fmt: skip
+    """Build the owner(s) and reducer(s) of `stage` over the trainable `params`.
+
+    Stage 3 gathers parameters on `comm` and reduces gradients on `grad_comm` (a group of
+    its own, `Comm.twin`): where gathers and reductions interleave in backward depends on
+    each rank's graph, and ranks whose graphs differ must still agree on each group's order.
+    """
     n, rank = comm.world_size, comm.rank
     bucket_numel = max(int(zc.reduce_bucket_size), 1)
     overlap = bool(zc.overlap_comm)
@@ -90,16 +96,21 @@ def compose(stage: int, module: nn.Module, params: ParamList, zc: ZeroConfig, co
                             prefetch_numel=int(zc.stage3_prefetch_bucket_size),
                             max_live_numel=int(zc.stage3_max_live_parameters),
                             max_reuse_numel=int(zc.stage3_max_reuse_distance), **common)  # fmt: skip
-    unit_reducer = MicroBatchReducer(units, comm, phases, overlap=overlap,
+    grads = grad_comm if grad_comm is not None else comm
+    # Backward reaches the units from the last to the first: reduce them in that order.
+    unit_reducer = MicroBatchReducer(list(reversed(units)), grads, phases, overlap=overlap,
                                      max_inflight_numel=2 * bucket_numel,
-                                     on_copied=sharded.release, pool=pool, **common)  # fmt: skip
+                                     on_copied=sharded.release, pool=pool, find_unused=True,
+                                     **common)  # fmt: skip
+    sharded.on_backward_gather = unit_reducer.passed
     owners: list[Any] = [sharded]
     reducers: list[Any] = [unit_reducer]
     small = bucket(list(reversed(persistent)), bucket_numel, 1, rank, start_index=len(units))
     if small:
         owners.append(ReplicatedParams(small, comm, phases, **common))
-        reducers.append(BoundaryReducer(small, comm, phases, op="all_reduce", overlap=overlap,
-                                        **common))  # fmt: skip
+        # At the end of backward, after the units' reduce-scatters on the same group.
+        reducers.append(BoundaryReducer(small, grads, phases, op="all_reduce", overlap=overlap,
+                                        in_backward=False, **common))  # fmt: skip
     return Composition(owners, reducers, units + small,
                        persistent_numel=sum(t[1].numel() for t in persistent),
                        params_on_host=zc.offload_param.device == "cpu")  # fmt: skip
