@@ -199,6 +199,11 @@ def _job(rank: int, world: int, weights: str) -> dict[str, Any]:
         head.fill_(0.5 if rank == 0 else -7.0)
     engine, *_ = zerowatch.initialize(model=tiny, config=_config())
     out["tiny_state"] = engine.consolidated_state_dict()
+    # A model built whole (not under Init) is broadcast from rank 0 in bucket-sized runs.
+    for stage in (2, 3):
+        torch.manual_seed(1000 + rank)
+        engine, *_ = zerowatch.initialize(model=GPT(TINY), config=ds_config(stage, bucket=200))
+        out[f"whole_built_stage{stage}"] = engine.consolidated_state_dict()
     return out
 
 
@@ -223,6 +228,10 @@ def test_a_model_built_under_init_loads_full_weights_and_matches_single_process_
     rank0["lm_head.weight"] = torch.full_like(rank0["lm_head.weight"], 0.5)
     assert max_relative_error(results[0]["tiny_state"], rank0) == (0.0, "")
     assert all(r["whole_inside"] for r in results)
+    torch.manual_seed(1000)
+    built = GPT(TINY).state_dict()
+    for stage in (2, 3):
+        assert max_relative_error(results[0][f"whole_built_stage{stage}"], built) == (0.0, "")
 
 
 @pytest.mark.slow
