@@ -503,12 +503,13 @@ class ZeroEngine:
         with torch.no_grad():
             for ts in by_dtype.values():
                 run: list[torch.Tensor] = []
-                for t in [*ts, None]:
-                    if run and (t is None or sum(r.numel() for r in run) + t.numel() > max_numel):
+                for nxt in [*ts, None]:
+                    full = nxt is None or sum(r.numel() for r in run) + nxt.numel() > max_numel
+                    if run and full:
                         self._broadcast_run(run)
                         run = []
-                    if t is not None:
-                        run.append(t)
+                    if nxt is not None:
+                        run.append(nxt)
 
     def _broadcast_run(self, run: list[torch.Tensor]) -> None:
         if len(run) == 1 and run[0].is_contiguous():
