@@ -63,6 +63,7 @@ from zerowatch.agent.probes import (
     HostClock,
     MemoryProbe,
     OffloadProbe,
+    OffloadWindow,
     PhaseTimer,
     PhaseWindow,
 )
@@ -125,7 +126,7 @@ class StepDraft:
     end: Any
     phases: PhaseWindow
     collectives: CollectiveWindow
-    offload: list[ev.OffloadStats]
+    offload: OffloadWindow
     offload_spans: list[tuple[str, int, float, float]] | None
     memory: ev.MemoryStats | None
     #: The optimizer's view, or what reads it when the event is built (an adapter's
@@ -137,7 +138,8 @@ class StepDraft:
     cpu: tuple[float, float] | None = None
 
     def ready(self, clock: Clock) -> bool:
-        return clock.ready(self.end) and self.phases.ready() and self.collectives.ready()
+        return (clock.ready(self.end) and self.phases.ready() and self.collectives.ready()
+                and self.offload.ready())  # fmt: skip
 
 
 class StepRecorder:
@@ -335,9 +337,10 @@ class StepRecorder:
         except Exception as e:
             self._health.error(f"recording the end of phase {phase!r}", e)
 
-    def on_offload(self, direction: str, nbytes: int, start: float, end: float) -> None:
+    def on_offload(self, direction: str, nbytes: int, start: float, end: float,
+                   cuda_events: Any = None) -> None:  # fmt: skip
         try:
-            if not self._offload.record(direction, nbytes, start, end):
+            if not self._offload.record(direction, nbytes, start, end, cuda_events):
                 self._health.warn_once(
                     f"offload-dir:{direction}",
                     "zerowatch agent: unknown offload direction %r ignored",
@@ -507,7 +510,7 @@ class StepRecorder:
             exposed_comm_s=exposed,
             parts=d.phases.parts(d.start, step_time),
             hidden_comm_s=hidden,
-            offload=d.offload,
+            offload=d.offload.stats(),
             memory=d.memory,
             grad_norm=None if nonfinite else grad_norm,
             clipped=stats.clipped,

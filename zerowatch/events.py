@@ -223,8 +223,9 @@ class MemoryStats:
 
     __pydantic_config__ = _FINITE
 
-    #: Peak bytes per phase: the CUDA allocator's peak (reset between phases) on a GPU; on
-    #: CPU the process RSS peak seen during the phase.
+    #: Peak bytes per phase: on a GPU the allocated bytes' peak in the phase, exact where
+    #: the allocator's statistics at its two ends prove it, else a lower bound (its peak is
+    #: never reset: docs/gpu.md); on CPU the process RSS peak seen during the phase.
     peak_by_phase: dict[str, int] = field(default_factory=dict)
     #: Bytes of model state the engine holds, per kind in STATE_KINDS, on its device
     #: (and `host_` + kind for offloaded state).

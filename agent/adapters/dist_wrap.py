@@ -24,6 +24,14 @@ that check `isinstance(work, Work)` still wait on it): the time the training thr
 inside `wait()` is the exposed communication time, and the call's end is read at that wait
 (see `TimedWork` for why not from a future callback). A synchronous call is all exposed.
 
+The wrappers never wait on a work themselves and never make a stream wait: the only
+`wait()` is the engine's own, passed on by `TimedWork.wait`. From torch 2.8 a NCCL work
+keeps its tensors alive until `wait()`, and `wait()` releases them after making only the
+current stream wait, so a wait of the agent's (on a stream of its own, at the launch) would
+let the caching allocator hand an input the engine has already dropped to the compute
+stream while NCCL still reads it (docs/gpu.md, "The agent and a collective's lifetime").
+On CUDA every event is recorded on a stream the engine uses, when the engine uses it.
+
 The wrappers are process-wide: with two runs open in one process, both see every
 collective. Code that bound a function before the run began (`from torch.distributed
 import all_reduce`) keeps calling the original and is not seen; DeepSpeed and FSDP2 look
@@ -147,24 +155,6 @@ def _cuda_event() -> Any:
     return torch.cuda.Event(enable_timing=True)
 
 
-#: One side stream per device whose only work is waiting for collectives (timing).
-_TIMING_STREAMS: dict[int, Any] = {}
-
-
-def _completion_event(work: Any) -> Any:
-    """An event that completes when `work` does, recorded on the timing stream (made to
-    wait for the work there; the stream that launched it is not made to wait)."""
-    device = torch.cuda.current_device()
-    stream = _TIMING_STREAMS.get(device)
-    if stream is None:
-        stream = _TIMING_STREAMS[device] = torch.cuda.Stream(device)
-    end = _cuda_event()
-    with torch.cuda.stream(stream):
-        work.wait()
-        end.record()
-    return end
-
-
 class TimedWork(dist.Work):
     """An async collective's work, timed at `wait()`: its latency ends when the work is
     seen complete, and the time blocked inside `wait()` is its exposed time.
@@ -175,20 +165,25 @@ class TimedWork(dist.Work):
     at stage 3's call rate. So when the work is still running at the wait, its end is when
     `wait()` returns (exact); when it has already finished, its end is the moment of the
     wait, an upper bound (and nothing was exposed). On CUDA, as in the bundled engine
-    (docs/timing.md): the latency from an event at the launch to one on a side timing
-    stream that waits for this work alone, the exposed time from events on the waiting
-    stream around its `wait()`; all read a step later.
+    (docs/timing.md): an event on the launching stream at the launch and two on the
+    waiting stream around the engine's `wait()`, which this passes on unchanged (the only
+    wait the work ever sees); the latency from the first to the last, the exposed time
+    between the last two; all read a step later.
+
+    It holds the engine's work and nothing else of the collective's: the work's tensors
+    live as long as the engine keeps this object (as they would with the work itself) and
+    the records hold events only.
     """
 
     def __init__(self, inner: Any, hub: _Hub, op: str, nbytes: int, world: int, start: float,
-                 purpose: str, cuda_events: Any) -> None:  # fmt: skip
+                 purpose: str, cuda_launched: Any) -> None:  # fmt: skip
         super().__init__()
         self._inner = inner
         self._hub = hub
         self._op, self._nbytes, self._world, self._start = op, nbytes, world, start
         self._purpose = purpose
-        #: On CUDA, (launched, completed) events: the collective's own time.
-        self._cuda = cuda_events
+        #: On CUDA, the event recorded on the launching stream at the launch.
+        self._cuda = cuda_launched
         self._waited = False
 
     def wait(self, timeout: Any = None) -> bool:
@@ -203,15 +198,15 @@ class TimedWork(dist.Work):
         result = self._inner.wait() if timeout is None else self._inner.wait(timeout)
         t1 = time.perf_counter()
         self._waited = True
-        cuda_exposed = None
+        cuda_events = cuda_exposed = None
         if before is not None:
             after = _cuda_event()
             after.record()
-            cuda_exposed = (before, after)
+            cuda_events, cuda_exposed = (self._cuda, after), (before, after)
         end = t0 if done_before else t1
         try:
             self._hub.emit(self._op, self._purpose, self._nbytes, self._world, self._start, end,
-                           True, t1 - t0, self._cuda, cuda_exposed)  # fmt: skip
+                           True, t1 - t0, cuda_events, cuda_exposed)  # fmt: skip
         except Exception:
             self._hub._error(self._op)
         return bool(result) if result is not None else True
@@ -219,13 +214,20 @@ class TimedWork(dist.Work):
     def completed(self) -> None:
         """Report the call as finished now, without waiting on it: for a callback on the
         work's future (DDP's communication hook), where the work is done and waiting on it
-        from gloo's thread can block. None of its time was exposed."""
+        from gloo's thread can block. None of its time was exposed. On CUDA the callback
+        runs on the stream the future made wait for the collective (the hook's own
+        `then`), so an event recorded there is the collective's end."""
         if self._waited:
             return
         self._waited = True
+        cuda_events = None
+        if self._cuda is not None:
+            end = _cuda_event()
+            end.record()
+            cuda_events = (self._cuda, end)
         try:
             self._hub.emit(self._op, self._purpose, self._nbytes, self._world, self._start,
-                           time.perf_counter(), True, 0.0, self._cuda)  # fmt: skip
+                           time.perf_counter(), True, 0.0, cuda_events)  # fmt: skip
         except Exception:
             self._hub._error(self._op)
 
@@ -326,11 +328,8 @@ class _Hub:
             end = time.perf_counter()
             try:
                 if async_op and isinstance(work, dist.Work) and not isinstance(work, _DEFERRED):
-                    cuda_events = None
-                    if cuda_start is not None:
-                        cuda_events = (cuda_start, _completion_event(work))
                     return TimedWork(work, hub, spec.op, nbytes, world, start, purpose,
-                                     cuda_events)  # fmt: skip
+                                     cuda_start)  # fmt: skip
                 cuda_events = None
                 if cuda_start is not None:
                     # Synchronous: the launching stream waited from the launch to the end.

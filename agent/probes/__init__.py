@@ -3,7 +3,7 @@
 from zerowatch.agent.probes.clock import Clock, CudaClock, HostClock
 from zerowatch.agent.probes.collectives import CollectiveAggregator, CollectiveWindow
 from zerowatch.agent.probes.memory import CudaMemoryProbe, MemoryProbe
-from zerowatch.agent.probes.offload import OffloadProbe
+from zerowatch.agent.probes.offload import OffloadProbe, OffloadWindow
 from zerowatch.agent.probes.phases import TOP_LEVEL, PhaseTimer, PhaseWindow
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "HostClock",
     "MemoryProbe",
     "OffloadProbe",
+    "OffloadWindow",
     "PhaseTimer",
     "PhaseWindow",
 ]

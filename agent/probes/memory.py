@@ -1,12 +1,17 @@
 """Memory of one rank per step, next to the ZeRO theory.
 
-* On CUDA: the caching allocator's peak per top-level phase (`reset_peak_memory_stats` at
-  the phase start, the allocated-bytes peak at its end), reserved bytes, the device
+* On CUDA: the allocated bytes' peak per top-level phase, reserved bytes, the device
   capacity, allocation retries (`num_alloc_retries`: the allocator had to free its cache to
-  satisfy a request, a sign of fragmentation) and OOMs. Every read is one
-  `memory_stats_as_nested_dict`: `max_memory_allocated` and `memory_reserved` each build
-  and flatten the whole `memory_stats` dict in Python, ~145 us a call on an H100 host
-  (measured: bench/agent_overhead.py --cuda), which made the agent cost 25% of a 9 ms step.
+  satisfy a request, a sign of fragmentation) and OOMs. The allocator's peak statistics are
+  never reset: `reset_peak_memory_stats` resets every peak of the process, the user's
+  `max_memory_allocated()` among them. So a phase's peak comes from the allocated bytes'
+  statistics read at its two ends (`peak_between`): exact where they prove it (the phase
+  raised the allocator's high-water mark; it only allocated; it only freed), else the
+  larger of the allocated bytes at its two ends, a lower bound (docs/gpu.md). Every read is
+  one `memory_stats_as_nested_dict` (two per top-level phase, one at the step's end):
+  `max_memory_allocated` and `memory_reserved` each build and flatten the whole
+  `memory_stats` dict in Python, ~145 us a call on an H100 host (measured:
+  bench/agent_overhead.py --cuda), which made the agent cost 25% of a 9 ms step.
 * On CPU: the process RSS at the end of each top-level phase (the peak of those readings
   per phase) and the process's lifetime RSS peak (`ru_maxrss`), read on every `every`-th
   step (the agent's `memory_every`, 10) and repeated between: each reading is a system
@@ -126,8 +131,32 @@ class MemoryProbe:
         self._rss.close()
 
 
+def peak_between(start: tuple[int, int, int, int], end: tuple[int, int, int, int]) -> int:
+    """The allocated bytes' peak between two readings of the allocator's statistics, each
+    (current, peak, ever allocated, ever freed) bytes, without resetting its peak.
+
+    Exact when the readings prove it: the peak rose in between (the new high is the
+    interval's: everything before it was at most the old one, also after a reset of the
+    user's in between); nothing was allocated (the bytes only fell: the start's); nothing
+    was freed (they only rose: the end's). Otherwise the interval rose and fell below the
+    high-water mark and its own peak is known only to lie between the larger of its ends
+    (returned: a lower bound) and that mark. A peak that fell (the user reset it in
+    between) is a peak of part of the interval, also a lower bound.
+    """
+    cur0, peak0, alloc0, freed0 = start
+    cur1, peak1, alloc1, freed1 = end
+    if peak1 > peak0:
+        return peak1
+    if alloc1 == alloc0:
+        return cur0
+    if freed1 == freed0:
+        return cur1
+    return max(cur0, cur1, peak1 if peak1 < peak0 else 0)
+
+
 class CudaMemoryProbe(MemoryProbe):
-    """Allocator peaks per phase (reset between phases) plus the CPU side's RSS peak."""
+    """Allocated-bytes peaks per phase, the allocator's peaks left alone (`peak_between`),
+    plus the CPU side's RSS peak."""
 
     device_kind = "cuda"
 
@@ -135,18 +164,27 @@ class CudaMemoryProbe(MemoryProbe):
         super().__init__(theory)  # (every step: the allocator's peaks are no system calls)
         import torch
 
-        self._cuda = torch.cuda
         self._device = torch.device(device).index
         if self._device is None:
             self._device = torch.cuda.current_device()
         self._stats = torch.cuda.memory_stats_as_nested_dict
         self._capacity = int(torch.cuda.get_device_properties(self._device).total_memory)
+        #: phase -> the allocated bytes' statistics at its start.
+        self._at_start: dict[str, tuple[int, int, int, int]] = {}
+
+    def _allocated(self) -> tuple[int, int, int, int]:
+        """(current, peak, ever allocated, ever freed) allocated bytes, over all pools."""
+        stat = self._stats(self._device).get("allocated_bytes", {}).get("all", {})
+        return (int(stat.get("current", 0)), int(stat.get("peak", 0)),
+                int(stat.get("allocated", 0)), int(stat.get("freed", 0)))  # fmt: skip
 
     def phase_start(self, phase: str) -> None:
-        self._cuda.reset_peak_memory_stats(self._device)
+        self._at_start[phase] = self._allocated()
 
     def phase_end(self, phase: str) -> None:
-        value = int(_stat(self._stats(self._device), "allocated_bytes", "peak"))
+        end = self._allocated()
+        start = self._at_start.pop(phase, None)
+        value = peak_between(start, end) if start is not None else end[0]
         if value > self._peaks.get(phase, 0):
             self._peaks[phase] = value
 
@@ -166,4 +204,4 @@ def _stat(nested: dict[str, Any], name: str, which: str) -> int:
     return int(nested.get(name, {}).get("all", {}).get(which, 0))
 
 
-__all__ = ["CudaMemoryProbe", "MemoryProbe", "RssReader", "rss_peak_bytes"]
+__all__ = ["CudaMemoryProbe", "MemoryProbe", "RssReader", "peak_between", "rss_peak_bytes"]

@@ -7,15 +7,19 @@ parameter owners never touch `torch.distributed` themselves. That gives one plac
   with its nccl-tests size (all-gather output, reduce-scatter input, all-reduce buffer), its
   wall-clock start and end and, for asynchronous work, how long the training thread was
   actually blocked in `wait()` (the *exposed* communication time);
-* time GPU collectives with CUDA events that are read later (never a synchronize per op):
-  a collective's latency from an event on the compute stream at its launch to one on a
-  side timing stream that waits for the collective alone, and its exposed time from two
-  events on the compute stream around the compute stream's wait for it (docs/timing.md);
+* time GPU collectives with CUDA events that are read later (never a synchronize per op),
+  recorded only on the streams the engine itself uses: one on the launching stream at the
+  launch and two on the waiting stream around the engine's own `wait()`; the latency runs
+  from the first to the last, the exposed time between the last two (docs/timing.md). No
+  other stream waits for the collective and nothing but the engine's `wait()` waits on its
+  work: from torch 2.8 a NCCL work's `wait()` releases the tensors it kept alive
+  (docs/gpu.md, "The agent and a collective's lifetime");
 * make a one-rank job a no-op: with world size 1 nothing is sent and nothing is reported.
 
-Asynchronous work returns a `Handle`. Its completion time comes from the work's future
-callback where the backend has one (gloo and NCCL both do), so `end - start` is the real
-latency even when nobody waited for it; `exposed_s` is only the time spent in `wait()`.
+Asynchronous work returns a `Handle`. On the host (gloo) its completion time comes from the
+work's future callback, so `end - start` is the real latency even when nobody waited for
+it; `exposed_s` is only the time spent in `wait()`. On CUDA the record goes out at the
+engine's `wait()`, with its events.
 """
 
 from __future__ import annotations
@@ -130,12 +134,12 @@ class Handle:
     time as exposed; the record reaches observers when the work completes."""
 
     def __init__(self, comm: Comm, work: Any, op: str, purpose: str, nbytes: int, start: float,
-                 cuda_events: Any = None) -> None:  # fmt: skip
+                 cuda_launched: Any = None) -> None:  # fmt: skip
         self._comm = comm
         self._work = work
         self._op, self._purpose, self._nbytes, self._start = op, purpose, nbytes, start
-        #: On CUDA, (launched, completed) events: the collective's own time.
-        self._cuda = cuda_events
+        #: On CUDA, the event recorded on the launching stream at the launch.
+        self._cuda = cuda_launched
         self._end: float | None = None
         self._exposed = 0.0
         self._wait_start = start
@@ -143,7 +147,10 @@ class Handle:
         self._waited = False
         self._has_future = False
         self._lock = threading.Lock()
-        if work is not None and cuda_events is None:
+        # Not on CUDA: NCCL marks a work's future complete at the launch, and a callback on
+        # it runs on a pool stream made to wait for the collective, which also records the
+        # output's memory on that stream (a wait and a lifetime the engine did not ask for).
+        if work is not None and cuda_launched is None:
             try:
                 fut = work.get_future()
             except (RuntimeError, AttributeError):
@@ -175,21 +182,24 @@ class Handle:
         if self._end is None and not self._has_future:
             self._end = t1
         self._waited = True
-        if self._end is not None or self._cuda is not None:
-            self._report(self._cuda)
+        if self._end is not None:
+            self._report()
 
     def _wait_cuda(self) -> None:
-        """The compute stream waits for the collective, bracketed by events on it."""
+        """The engine's wait: the current stream waits for the collective (NCCL: the host
+        does not), bracketed by events on that stream. The one after it is the
+        collective's end as the engine sees it: exact when the stream stalled there, an
+        upper bound when the collective had finished before the stream got there."""
         before = _cuda_event()
         before.record()
         t0 = time.perf_counter()
-        self._work.wait()  # NCCL: the current stream waits; the host does not
-        self._work = None
+        self._work.wait()
+        self._work = None  # (the work's tensors are the engine's from here on)
         t1 = time.perf_counter()
         after = _cuda_event()
         after.record()
         self._exposed, self._wait_start, self._end, self._waited = t1 - t0, t0, t1, True
-        self._report(self._cuda, (before, after))
+        self._report((self._cuda, after), (before, after))
 
     def _report(self, cuda_events: Any = None, cuda_exposed: Any = None) -> None:
         with self._lock:  # the future callback and wait() may race to report
@@ -229,7 +239,6 @@ class Comm:
     def __init__(self, observers: ObserverRegistry, group: Any = None) -> None:
         self.observers = observers
         self.group = group
-        self._timing_streams: dict[int, Any] = {}
         self.enabled = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.enabled else 0
         self.world_size = dist.get_world_size(group) if self.enabled else 1
@@ -266,23 +275,6 @@ class Comm:
                                    cuda_events=cuda_events, cuda_exposed=cuda_exposed)  # fmt: skip
             self.observers.call("on_collective", rec)
 
-    def _timing_stream(self) -> Any:
-        """A side stream (one per device) whose only work is waiting for collectives."""
-        device = torch.cuda.current_device()
-        stream = self._timing_streams.get(device)
-        if stream is None:
-            stream = self._timing_streams[device] = torch.cuda.Stream(device)
-        return stream
-
-    def _completion_event(self, work: Any) -> Any:
-        """An event that completes when `work` does, recorded on the timing stream (which
-        waits for the collective there; the compute stream is not made to wait)."""
-        end = _cuda_event()
-        with torch.cuda.stream(self._timing_stream()):
-            work.wait()
-            end.record()
-        return end
-
     def _run(self, op: str, purpose: str, nbytes: int, async_op: bool, device_tensor: torch.Tensor,
              launch: Callable[[bool], Any], local: Callable[[], Any] | None = None) -> Handle:  # fmt: skip
         if self.world_size == 1:
@@ -296,9 +288,7 @@ class Comm:
             launched.record()
         start = time.perf_counter()
         if async_op:
-            work = launch(True)
-            cuda_events = None if launched is None else (launched, self._completion_event(work))
-            return Handle(self, work, op, purpose, nbytes, start, cuda_events)
+            return Handle(self, launch(True), op, purpose, nbytes, start, launched)
         work = launch(False)
         if isinstance(work, _RingWork):
             work.wait()

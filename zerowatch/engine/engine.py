@@ -134,6 +134,7 @@ class ZeroEngine:
         self.phases = Phases(self._observers)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.device = pick_device()
+        self.phases.cuda = self.device.type == "cuda"
         zc = config.zero_optimization
         self.zero_stage = int(zc.stage)
         self.precision = config.precision

@@ -7,7 +7,7 @@ The engine knows nothing of the agent. It reports two things, each from exactly 
 * every phase boundary (forward, backward, grad_reduce, param_gather, optimizer_step,
   offload_d2h, offload_h2d, and `step` for the whole optimizer step), from
   `engine/phases.py`, given to each registered `PhaseObserver`; offload copies also report
-  their bytes through `on_offload`.
+  their bytes through `on_offload` (with CUDA events on the copy's stream on a GPU).
 
 Observers are called synchronously on the training thread (or, for async collectives, on
 the thread that completes the work), so they must be cheap and must not raise; the
@@ -43,10 +43,11 @@ class CollectiveRecord:
         async_op: issued asynchronously, to overlap with compute.
         exposed_s: time the training thread was blocked on it (the whole latency for a
             synchronous call, the time spent in `wait()` for an async one).
-        cuda_events: on CUDA, (start, end) torch.cuda.Events bounding the collective's own
-            time: start on the compute stream where it was launched (the collective can
-            begin once the stream reaches it), end on a timing stream that waited for the
-            collective alone, so compute queued after the launch is not in its latency.
+        cuda_events: on CUDA, (start, end) torch.cuda.Events bounding the collective: start
+            on the stream where it was launched (the collective can begin once the stream
+            reaches it), end on the stream that waited for it, just after the caller's
+            `wait()` (exact when that stream stalled, an upper bound when compute hid the
+            collective; nothing else ever waits for it: docs/gpu.md).
         cuda_exposed: on CUDA, (before, after) events on the compute stream around its
             wait for the collective: how long the compute stream stalled (the whole
             latency for a synchronous call). The host time in `exposed_s` measures only
@@ -76,7 +77,11 @@ class PhaseObserver(Protocol):
 
     def on_phase_end(self, phase: str, t: float) -> None: ...
 
-    def on_offload(self, direction: str, nbytes: int, start: float, end: float) -> None: ...
+    def on_offload(self, direction: str, nbytes: int, start: float, end: float,
+                   cuda_events: Any = None) -> None:  # fmt: skip
+        """A host-device copy of `nbytes` between host times `start` and `end`; on a GPU
+        `cuda_events` is (start, end) on the copy's stream, the copy's own time."""
+        ...
 
 
 class ObserverRegistry:

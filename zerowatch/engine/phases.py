@@ -10,6 +10,10 @@ starts at the first forward of a gradient-accumulation cycle and ends at the end
 While a torch profiler records, each phase is also a
 `torch.profiler.record_function("zerowatch::<phase>")` range, so its trace shows the same
 names the dashboards do.
+
+An offload copy also reports its bytes and its time (`on_offload`). On a GPU that time is
+a pair of CUDA events on the copy's stream around it, read a step later: a `non_blocking`
+copy from pinned memory returns to the host at once, so host time around it is its launch.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ class Phases:
 
     def __init__(self, observers: ObserverRegistry) -> None:
         self.observers = observers
+        #: Whether the engine trains on a GPU (its copies are timed with CUDA events).
+        self.cuda = False
 
     def start(self, name: str) -> None:
         self.observers.call("on_phase_start", name, time.perf_counter())
@@ -74,12 +80,25 @@ class Phases:
 
     @contextmanager
     def offload(self, direction: str, nbytes: int) -> Iterator[None]:
-        """A host copy ("d2h" or "h2d") of `nbytes`: its phase, and its bytes and times."""
+        """A host copy ("d2h" or "h2d") of `nbytes` issued in the body: its phase, and its
+        bytes and host times; on a GPU also (start, end) CUDA events recorded on the
+        current stream before and after the body, the stream the copy is queued on."""
+        if not self.cuda:
+            with self.phase(f"offload_{direction}"):
+                t0 = time.perf_counter()
+                yield
+                t1 = time.perf_counter()
+            self.observers.call("on_offload", direction, nbytes, t0, t1)
+            return
         with self.phase(f"offload_{direction}"):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
             t0 = time.perf_counter()
             yield
             t1 = time.perf_counter()
-        self.observers.call("on_offload", direction, nbytes, t0, t1)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        self.observers.call("on_offload", direction, nbytes, t0, t1, (start, end))
 
 
 __all__ = ["PHASES", "Phases"]
