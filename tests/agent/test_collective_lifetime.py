@@ -181,3 +181,22 @@ def test_a_collective_waited_for_on_another_stream_is_timed_there(path: Path) ->
     assert [s for s, _ in device.calls("record")] == ["all_gather", "compute", "compute"]
     latency, exposed = _measured(probe)
     assert (latency, exposed) == (pytest.approx(10 * MS), pytest.approx(8 * MS))
+
+
+def test_ddps_hook_times_the_all_reduce_on_its_future_callbacks_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # DDP's communication hook (`allreduce_seen`, zerowatch's own, as DDP's default hook)
+    # waits through the work's future: its callback runs on a stream the future made wait
+    # for the all-reduce, and `TimedWork.completed` records the end there. The all-reduce
+    # runs 0-6 while the callback's stream got the result at 6; nothing waits on the work.
+    device, launch, probe = _foreign(monkeypatch)
+    work = launch(_cuda_tensor(8), _cuda_tensor(4), 6 * MS)
+    callback = scripted_cuda.Stream(device, "callback")
+    callback.t = 6 * MS  # (made to wait for the collective by the future, not by zerowatch)
+    with device.use(callback):
+        work.completed()
+    assert device.calls("work_wait") == [] and device.calls("stream_wait") == []
+    assert [s for s, _ in device.calls("record")] == ["compute", "callback"]
+    latency, exposed = _measured(probe)
+    assert (latency, exposed) == (pytest.approx(6 * MS), 0.0)
