@@ -159,10 +159,13 @@ class MasterWeights:
                 continue
             dst = m.seg.param_shard
             with torch.no_grad():
-                if dst.device == m.param.device:
+                # Host masters to device parts (offload_optimizer), device masters to
+                # host parts (offload_param alone), else no copy between memories.
+                way = ("h2d" if self.offload and not self.params_on_host else
+                       "d2h" if not self.offload and m.seg.param_shard_on_host else None)  # fmt: skip
+                if way is None:
                     dst.copy_(m.param)
-                else:  # offload_optimizer to device parts, or device masters to offload_param
-                    way = "h2d" if dst.device.type != "cpu" else "d2h"
+                else:
                     with self.phases.offload(way, dst.numel() * dst.element_size()):
                         dst.copy_(m.param)
 
