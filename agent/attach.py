@@ -26,6 +26,7 @@ from zerowatch.agent.client import IngestClient
 from zerowatch.agent.config import AgentConfig
 from zerowatch.agent.errors import AgentHealth
 from zerowatch.agent.probes import CudaClock, CudaMemoryProbe, HostClock, MemoryProbe
+from zerowatch.agent.probes.gpu import DeviceIdentity, device_identity, gpu_probe
 from zerowatch.agent.recorder import StepRecorder
 from zerowatch.agent.run import Run
 from zerowatch.agent.spool import Spool
@@ -196,10 +197,16 @@ def instrument(
         if on_cuda
         else MemoryProbe(job.theory, every=config.memory_every)
     )
+    gpu = gpu_probe(
+        _gpu_identity(device, config.gpu_telemetry, health),
+        health=health,
+        rank=job.rank,
+        interval_s=config.gpu_sample_interval_s,
+    )
     seq = itertools.count()
     recorder = StepRecorder(
         adapter=adapter, job=job, config=config, health=health, clock=clock,
-        memory=memory, emit=transport.submit, next_seq=lambda: next(seq),
+        memory=memory, emit=transport.submit, next_seq=lambda: next(seq), gpu=gpu,
     )  # fmt: skip
     handle = Run(
         run_id=run_id, name=name, job=job, adapter=adapter, recorder=recorder,
@@ -208,11 +215,28 @@ def instrument(
     )  # fmt: skip
     transport.every_wake(recorder.tidy)
     transport.start()
+    gpu.start()
     adapter.attach(recorder)
     _close_at_exit(handle)
     if job.rank == 0:
         _announce(run_id, server, spool.run_dir if server is None else None)
     return handle
+
+
+def _gpu_identity(device: Any, wanted: bool | None, health: AgentHealth) -> DeviceIdentity | None:
+    """The GPU whose health this rank reports: its CUDA device; on a CPU run only when
+    asked (`gpu_telemetry=True`: the GPU at LOCAL_RANK); None: no GPU telemetry."""
+    if wanted is False:
+        return None
+    if device is not None:
+        try:
+            return device_identity(device)
+        except Exception as e:
+            health.error("finding the rank's GPU", e)
+            return None
+    if wanted:
+        return DeviceIdentity(index=max(int(os.environ.get("LOCAL_RANK", "0") or 0), 0))
+    return None
 
 
 def _announce(run_id: str, server: str | None, spool_path: Path | None) -> None:

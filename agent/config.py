@@ -74,6 +74,13 @@ class AgentConfig:
     """Sequence length T, for the attention FLOPs."""
     name: str | None = None
     """Human-readable run name (default: the `run` argument, or the run id)."""
+    gpu_telemetry: bool | None = None
+    """Sample the rank's GPU through NVML (`pip install nvidia-ml-py`) about once a second
+    on a thread of the agent's own, and send it with each step (docs/gpu.md). None: on
+    for runs on a CUDA device when NVML is there; False: off; True: also on CPU runs, for
+    the GPU at LOCAL_RANK."""
+    gpu_sample_interval_s: float = 1.0
+    """Seconds between two NVML samples."""
 
     def __post_init__(self) -> None:
         positive_ints = ("max_spans_per_step", "memory_every", "queue_size", "batch_max_events",
@@ -87,7 +94,7 @@ class AgentConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{key}: expected an integer >= 0, got {value!r}")
         for key in ("flush_interval_s", "http_timeout_s", "retry_max_wait_s",
-                    "close_timeout_s", "fsync_interval_s"):  # fmt: skip
+                    "close_timeout_s", "fsync_interval_s", "gpu_sample_interval_s"):  # fmt: skip
             value = getattr(self, key)
             if value is None and key == "flush_interval_s":
                 continue

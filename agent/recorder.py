@@ -67,6 +67,7 @@ from zerowatch.agent.probes import (
     PhaseTimer,
     PhaseWindow,
 )
+from zerowatch.agent.probes.gpu import GpuProbe, NullGpuProbe
 
 from zerowatch import events as ev
 
@@ -158,6 +159,7 @@ class StepRecorder:
         memory: MemoryProbe,
         emit: Callable[[Callable[[], ev.StepEvent | None]], None],
         next_seq: Callable[[], int],
+        gpu: GpuProbe | None = None,
     ) -> None:
         self._adapter = adapter
         self._job = job
@@ -167,6 +169,8 @@ class StepRecorder:
         self._memory = memory
         self._emit = emit
         self._next_seq = next_seq
+        #: The rank's GPU (NVML, sampled on its own thread); read when a step is built.
+        self.gpu: GpuProbe = gpu if gpu is not None else NullGpuProbe()
         self._timer = PhaseTimer(clock)
         #: An adapter that can be asked about the step later (`step_stats_later`, optional)
         #: is, on the shipper thread.
@@ -494,6 +498,7 @@ class StepRecorder:
         nonfinite = stats.nonfinite or user.loss_nonfinite
         grad_norm = user.grad_norm if user.grad_norm is not None else stats.grad_norm
         start_unix = clock.host_time(d.start) + self._unix_offset
+        end_unix = clock.host_time(d.end) + self._unix_offset
         collectives = d.collectives.stats()
         exposed = d.collectives.exposed_s
         # The time some collective was running (concurrent ones counted once) beyond what the
@@ -503,7 +508,7 @@ class StepRecorder:
             rank=job.rank,
             seq=seq,
             step=d.step,
-            time=clock.host_time(d.end) + self._unix_offset,
+            time=end_unix,
             step_time_s=step_time,
             phases=phases,
             collectives=collectives,
@@ -530,6 +535,7 @@ class StepRecorder:
             local_rank=_LOCAL_RANK,
             thread_cpu_s=d.cpu[0] if d.cpu else None,
             other_cpu_s=d.cpu[1] if d.cpu else None,
+            gpu=self.gpu.window(start_unix, end_unix),
         )
 
     def _spans(self, d: StepDraft, start_unix: float, step_time: float) -> list[ev.Span]:

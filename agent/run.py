@@ -157,6 +157,7 @@ class Run:
         except Exception as e:
             self._health.error("closing the shipper", e)
         self._memory.close()
+        self._recorder.gpu.close()
 
     def __enter__(self) -> Run:
         return self

@@ -117,6 +117,7 @@ def alerts(s: AlertSettings) -> list[Alert]:
     ow = s.offload_bandwidth_baseline_window
     lw = s.loss_scale_drop_window
     nw = s.nonfinite_window
+    ew = s.gpu_errors_window
     return [
         Alert(
             alert="ZeroWatchStepTimeRegression",
@@ -361,6 +362,56 @@ def alerts(s: AlertSettings) -> list[Alert]:
             "gradient norm and the learning rate just before the first non-finite step, the "
             "data batch of that step, and the loss scale (fp16); resume from the last good "
             "checkpoint with a lower learning rate or tighter clipping.",
+        ),
+        Alert(
+            alert="ZeroWatchGpuThrottled",
+            group="zerowatch.gpu_throttled",
+            records=(
+                # The server counts the ranks of the newest step whose GPU held its clocks
+                # down (NVML clock event reasons: power cap, thermal, hardware slowdown);
+                # the lowest count over the window: throttled at every scrape of it.
+                Record(
+                    f"zerowatch:gpu_throttled_ranks:min{w}",
+                    f"max by ({RUN}) (min_over_time({m['gpu_throttled_ranks']}[{w}]))",
+                ),
+            ),
+            expr=f"zerowatch:gpu_throttled_ranks:min{w} >= {_num(s.gpu_throttled_min_ranks)}",
+            for_=s.gpu_throttled_for,
+            severity="warning",
+            summary=f"{{{{ $value }}}} GPUs of {_who()} are throttled",
+            description=f"{{{{ $value }}}} ranks of {_who()} have had a throttled GPU (NVML "
+            f"clock event reasons: power cap, thermal or hardware slowdown) at every scrape "
+            f"over the last {w} (threshold {_num(s.gpu_throttled_min_ranks)}, for "
+            f"{s.gpu_throttled_for}); a throttled GPU runs below its clocks and the whole "
+            "job waits for it. Look at the run's doctor findings and rank pages for which "
+            f'ranks and why ({m["gpu_sm_clock_ratio"]}{{rank!=""}} for the slowest '
+            "ranks' SM clocks), then at those nodes: power limits and power delivery "
+            "(nvidia-smi -q -d PERFORMANCE,POWER), cooling and inlet temperature, and the "
+            "GPU's clock settings.",
+        ),
+        Alert(
+            alert="ZeroWatchGpuErrors",
+            group="zerowatch.gpu_errors",
+            records=(
+                # The server exposes both counters of a run with GPU telemetry (0 where
+                # a card does not count one), so the sum has both sides.
+                Record(
+                    f"zerowatch:gpu_errors:increase{ew}",
+                    f"sum by ({RUN}) (increase({m['gpu_xid_errors']}[{ew}]))"
+                    f" + sum by ({RUN}) (increase({m['gpu_ecc_errors']}[{ew}]))",
+                ),
+            ),
+            expr=f"zerowatch:gpu_errors:increase{ew} > 0",
+            for_=s.gpu_errors_for,
+            severity="critical",
+            summary=f"GPU errors in {_who()}",
+            description=f"The GPUs of {_who()} reported critical XID events or "
+            f"uncorrected ECC errors within the last {ew} "
+            f'({{{{ printf "%.0f" $value }}}} counted). A GPU with uncorrected memory errors or '
+            "a critical XID can corrupt the run's state or hang its collectives. Look at the "
+            "run's doctor findings and rank pages for the rank and node, the node's kernel log "
+            "(dmesg | grep -i xid), nvidia-smi -q -d ECC,ROW_REMAPPER, and drain the node; "
+            "resume from the last checkpoint taken before the errors.",
         ),
     ]
 

@@ -188,6 +188,21 @@ class AlertSettings:
     nonfinite_for: Duration = Duration("0s")
     """ZeroWatchNonFiniteLoss: how long before firing (0s: at once)."""
 
+    gpu_throttled_min_ranks: float = 1.0
+    """ZeroWatchGpuThrottled: fire when at least this many ranks of a run had a throttled
+    GPU (NVML clock event reasons: power cap, thermal or hardware slowdown) at every scrape
+    of `window` (>= 1)."""
+
+    gpu_throttled_for: Duration = Duration("10m")
+    """ZeroWatchGpuThrottled: how long the throttling must last."""
+
+    gpu_errors_window: Duration = Duration("5m")
+    """ZeroWatchGpuErrors: fire when a run's count of critical XID events or uncorrected
+    ECC errors (summed over its ranks' GPUs) grew within this window."""
+
+    gpu_errors_for: Duration = Duration("0s")
+    """ZeroWatchGpuErrors: how long before firing (0s: at once)."""
+
     dashboard_url: str = ""
     """Base URL of the zerowatch server as on-call engineers open it (e.g.
     `https://zerowatch.example.org`); when set, every alert gets a `dashboard` annotation
@@ -218,6 +233,7 @@ class AlertSettings:
             "a fraction in (0, 1)",
         )
         need(self.loss_scale_floor >= 0.0, "loss_scale_floor", "a number >= 0")
+        need(self.gpu_throttled_min_ranks >= 1.0, "gpu_throttled_min_ranks", "a number >= 1")
         need(
             not self.dashboard_url
             or re.fullmatch(r"https?://[^\s/{}]+[^\s{}]*", self.dashboard_url) is not None,
@@ -226,7 +242,8 @@ class AlertSettings:
         )
         for name in ("window", "step_time_baseline_offset", "grad_norm_baseline_window",
                      "stall_after", "offload_bandwidth_baseline_window",
-                     "loss_scale_drop_window", "nonfinite_window"):  # fmt: skip
+                     "loss_scale_drop_window", "nonfinite_window",
+                     "gpu_errors_window"):  # fmt: skip
             need(getattr(self, name).seconds > 0, name, "a duration > 0")
         need(
             self.step_time_baseline_offset.seconds >= self.window.seconds,

@@ -473,11 +473,50 @@ def main() -> None:
             f"excludes the timing's own {timer:.2f} us per callback, measured around a "
             f"do-nothing observer in training ({calls * timer / 1e3:.3f} ms per step)"
         )
+    if args.cuda:
+        print(nvml_cost_line())
     if args.foreign:  # DeepSpeed and FSDP2, measured the same way by the companion script
         from agent_overhead_foreign import run as run_foreign
 
         run_foreign(argparse.Namespace(**{**vars(args), "engines": args.foreign.split(","),
                                           "stages": [s for s in args.stages if s > 0] or [3]}))  # fmt: skip
+
+
+def nvml_cost_line(n: int = 100, nvml: Any = None, device: Any = None) -> str:
+    """The GPU probe's cost: one NVML sample of the rank's GPU (every reading the agent
+    takes), timed n times back to back on this thread; at one sample a second its cost per
+    second is one sample's. `nvml` (default `pynvml`) and `device` (default cuda:0) let a
+    scripted stand-in be measured the same way."""
+    import time
+
+    from zerowatch.agent.errors import AgentHealth
+    from zerowatch.agent.probes import gpu
+
+    try:
+        if nvml is None:
+            import pynvml as nvml
+        nvml.nvmlInit()
+        ident = gpu.device_identity(device if device is not None else torch.device("cuda", 0))
+        reader = gpu.NvmlReader(nvml, gpu.nvml_handle(nvml, ident), AgentHealth())
+    except Exception as e:  # no pynvml, no driver
+        return f"NVML sampling: not measured ({type(e).__name__}: {e})"
+    reader.sample()  # the error counts' zero, the NVLink counters' first reading
+    wall0, cpu0 = time.perf_counter(), time.thread_time()
+    for _ in range(n):
+        sample = reader.sample()
+    wall, cpu = (time.perf_counter() - wall0) / n, (time.thread_time() - cpu0) / n
+    t0 = time.perf_counter()
+    for _ in range(n):
+        gpu.summarize([sample], samples=1)
+    fold = (time.perf_counter() - t0) / n
+    have = sorted(k for k in sample.__slots__ if getattr(sample, k) is not None and k != "time")
+    reader.close()
+    return (
+        f"NVML sampling: {wall * 1e3:.3f} ms per sample ({cpu * 1e3:.3f} ms CPU) on the "
+        f"sampler thread = {wall * 1e3:.3f} ms per second at 1 Hz ({wall * 100:.3f}% of a "
+        f"core); {fold * 1e6:.1f} us per step on the shipper thread to fold; readings "
+        f"supported: {', '.join(have)}"
+    )
 
 
 def where(args: argparse.Namespace) -> str:

@@ -7,6 +7,8 @@
 - collectives: does this rank see slower collectives or a lower bus bandwidth?
 - memory: does this rank peak higher, or hold more model state, than the median rank?
 - training: do this rank's grad norm, loss and learning rate follow the run's?
+- gpu: was this rank's GPU throttled (its SM clock against its maximum, beside the median
+  rank's), and when?
 - host_busy: on this node, which rank holds the others back?
 
 The run's reference is the median over ranks at each sampled step (the rollups' p50),
@@ -25,7 +27,7 @@ import plotly.graph_objects as go
 from zerowatch.dashboards import theme as th
 from zerowatch.dashboards.data import Series
 
-from zerowatch.events import PHASES, STEP_PARTS
+from zerowatch.events import GPU_REASON_LABELS, PHASES, STEP_PARTS
 
 _STEP_AXIS = {"title": {"text": "step"}}
 _MEDIAN = {"color": "#636e72", "width": 2, "dash": "dash"}
@@ -67,6 +69,14 @@ class RankView:
     loss_median: Series = field(default_factory=Series)
     lr: Series = field(default_factory=Series)
     lr_median: Series = field(default_factory=Series)
+    #: The rank's GPU over the drawn steps (NVML; None without telemetry): throttled share,
+    #: reasons, mean SM clock ratio, temperature, power ratio, XID and ECC errors (the
+    #: doctor's `gpu_health`).
+    gpu: dict[str, Any] | None = None
+    #: SM clock over its maximum per step, the median rank's, and 1/0 per throttled step.
+    gpu_clock: Series = field(default_factory=Series)
+    gpu_clock_median: Series = field(default_factory=Series)
+    gpu_throttled: Series = field(default_factory=Series)
 
     @property
     def busy_ratio(self) -> float | None:
@@ -84,6 +94,8 @@ class HostRank:
     mean_busy_s: float | None
     #: mean busy time over the run's median busy time at the same steps.
     ratio: float | None
+    #: Its GPU over the drawn steps (see RankView.gpu); None without telemetry.
+    gpu: dict[str, Any] | None = None
 
 
 @dataclass
@@ -109,6 +121,25 @@ def ratio_to_median(mine: Series, median: Series) -> float | None:
             num += v
             den += r
     return num / den if den > 0 else None
+
+
+def gpu_text(health: Mapping[str, Any] | None) -> str:
+    """A rank's GPU health in a few words: "throttled (power cap) in 40% of steps, SM clock
+    at 91% of max", "2 XID / 1 ECC errors", "healthy", or "–" without telemetry."""
+    if not health:
+        return "–"
+    words = []
+    if health.get("throttled_share"):
+        reasons = ", ".join(GPU_REASON_LABELS.get(r, r) for r in health.get("reasons") or {})
+        words.append(f"throttled ({reasons or 'clock events'}) in "
+                     f"{health['throttled_share']:.0%} of steps")  # fmt: skip
+        if health.get("sm_clock_ratio"):
+            words.append(f"SM clock at {health['sm_clock_ratio']:.0%} of max")
+    if health.get("xid_errors") or health.get("ecc_errors"):
+        words.append(
+            f"{health.get('xid_errors', 0)} XID / {health.get('ecc_errors', 0)} ECC errors"
+        )
+    return ", ".join(words) if words else "healthy (full clocks, no errors)"
 
 
 def _line(s: Series, name: str, line: Mapping[str, object], hover: str, factor: float = 1.0,
@@ -260,6 +291,28 @@ def training(
     return fig
 
 
+def gpu(rank: int, clock: Series, clock_median: Series, throttled: Series) -> go.Figure:
+    """The rank's GPU SM clock over its maximum per step beside the median rank's (dashed),
+    with the steps in which its GPU was throttled marked."""
+    fig = th.figure(f"Rank {rank}: GPU SM clock vs the median rank", height=340)
+    pct = "%{y:.1f}%"
+    if clock:
+        fig.add_trace(_line(clock, f"rank {rank} SM clock", {"color": "#4C78A8", "width": 2},
+                            pct, 0.01))  # fmt: skip
+    if clock_median:
+        fig.add_trace(_line(clock_median, "median rank SM clock", _MEDIAN, pct, 0.01))
+    hot = [s for s, v in zip(throttled.steps, throttled.values, strict=True) if v]
+    if hot:
+        at = dict(zip(clock.steps, clock.values, strict=True))
+        fig.add_trace(th.scatter(x=hot, y=[100 * (at.get(s) or 0.0) for s in hot],
+                                 name="throttled", mode="markers",
+                                 marker={"color": "#E45756", "size": 7, "symbol": "x"},
+                                 hovertemplate="throttled at step %{x}"))  # fmt: skip
+    fig.update_layout(hovermode="x unified", xaxis=_STEP_AXIS,
+                      yaxis={"title": {"text": "SM clock (% of max)"}, "rangemode": "tozero"})  # fmt: skip
+    return fig
+
+
 def host_busy(host: str, ranks: Sequence[HostRank], median: Series) -> go.Figure:
     """Busy time per step of each rank of one host, with the run's median rank (dashed)."""
     fig = th.figure(f"Busy time per rank on {th.text(host)} vs the median rank", height=420)
@@ -282,6 +335,7 @@ RANK_CHARTS = (
     ("collectives", False),
     ("memory", False),
     ("training", True),
+    ("gpu", True),
 )
 #: Charts of the node view.
 HOST_CHARTS = (("busy", True),)
@@ -306,6 +360,8 @@ def rank_figures(view: RankView) -> dict[str, go.Figure]:
                ("learning rate", view.lr, view.lr_median)]  # fmt: skip
     if any(mine or med for _, mine, med in signals):
         out["training"] = training(view.rank, signals)
+    if view.gpu_clock:
+        out["gpu"] = gpu(view.rank, view.gpu_clock, view.gpu_clock_median, view.gpu_throttled)
     return out
 
 
@@ -323,6 +379,8 @@ __all__ = [
     "HostView",
     "RankView",
     "collectives",
+    "gpu",
+    "gpu_text",
     "host_busy",
     "host_figures",
     "memory",

@@ -75,6 +75,15 @@ SCALARS = {
     "samples_per_second": ("samples_per_s", "Samples per second of a rank."),
     "tokens_per_second": ("tokens_per_s", "Tokens per second of a rank."),
     "memory_capacity": ("memory.capacity", "Memory capacity of a rank's device."),
+    # GPU health (NVML, sampled by the agent; docs/gpu.md)
+    "gpu_sm_clock_ratio": ("gpu.sm_clock_ratio", "SM clock of a rank's GPU over its maximum."),
+    "gpu_throttled_fraction": (
+        "gpu.throttled_fraction",
+        "Share of the step's NVML samples in which a rank's GPU was throttled.",
+    ),
+    "gpu_temperature": ("gpu.temperature_c", "Temperature of a rank's GPU, degrees Celsius."),
+    "gpu_power": ("gpu.power_w", "Power drawn by a rank's GPU, watts."),
+    "gpu_power_limit_ratio": ("gpu.power_ratio", "Power of a rank's GPU over its power limit."),
 }
 #: Keyed gauges: key in events.METRICS -> (vocabulary prefix, label, documentation, per rank).
 KEYED = {
@@ -135,6 +144,20 @@ class _Families:
             "Latency of collective calls, summed over ranks, cumulative over the run.",
             labels=[*RUN, "op"],
         )
+        self.gpu_throttled = GaugeMetricFamily(
+            M["gpu_throttled_ranks"],
+            "Ranks whose GPU was throttled (power cap, thermal, hardware slowdown) in the "
+            "newest step.",
+            labels=RUN,
+        )  # fmt: skip
+        self.gpu_xid = CounterMetricFamily(
+            M["gpu_xid_errors"], "Critical XID events of the run's GPUs since their agents "
+            "attached, summed over ranks.", labels=RUN,
+        )  # fmt: skip
+        self.gpu_ecc = CounterMetricFamily(
+            M["gpu_ecc_errors"], "Uncorrected ECC errors of the run's GPUs since their agents "
+            "attached, summed over ranks.", labels=RUN,
+        )  # fmt: skip
         self.scalars = {k: GaugeMetricFamily(M[k], doc, labels=GAUGE)
                         for k, (_, doc) in SCALARS.items()}  # fmt: skip
         self.keyed = {k: GaugeMetricFamily(M[k], doc, labels=[*GAUGE, label])
@@ -142,7 +165,8 @@ class _Families:
 
     def all(self) -> Iterator[Metric]:
         yield from (self.info, self.running, self.last, self.steps, self.skipped,
-                    self.nonfinite, self.latency)  # fmt: skip
+                    self.nonfinite, self.latency, self.gpu_throttled, self.gpu_xid,
+                    self.gpu_ecc)  # fmt: skip
         yield from self.scalars.values()
         yield from self.keyed.values()
 
@@ -227,6 +251,7 @@ def _collect_run(conn: Connection, fam: _Families, row: Any, *, top_k: int, now:
         st = got.get(SCALARS[key][0], {}).get(step)
         if st is not None:
             fam.scalars[key].add_metric([*run, "sum", ""], st.mean * st.n)
+    _collect_gpu(conn, fam, run, pk, got, step, live=live)
     if top_k and row.world_size > 1:
         ranks = [
             o["rank"]
@@ -237,6 +262,28 @@ def _collect_run(conn: Connection, fam: _Families, row: Any, *, top_k: int, now:
         ]  # fmt: skip
         for rank, values in sorted(_outlier_values(conn, pk, ranks, step).items()):
             _add_values(fam, run, values, stat="", rank=str(rank), per_rank=True)
+
+
+def _collect_gpu(
+    conn: Connection, fam: _Families, run: list[str], pk: int,
+    got: dict[str, dict[int, Stats]], step: int, *, live: bool,
+) -> None:  # fmt: skip
+    """The run's GPU series, where its ranks send GPU telemetry: the ranks throttled in the
+    newest step, and the XID and ECC error counts summed over ranks. A count is the highest
+    sum over the newest OUTLIER_WINDOW steps, so a rank missing from one step does not
+    lower it (Prometheus would read a counter reset); both counters are exposed together
+    (0 where no card counts them), so the alert can add them."""
+    throttled = got.get("gpu.throttled", {}).get(step)
+    if throttled is None and "gpu.sm_clock_ratio" not in got:
+        return
+    fam.gpu_throttled.add_metric(run, round(throttled.mean * throttled.n) if throttled else 0.0)
+    names = ["gpu.xid_errors", "gpu.ecc_errors"]
+    recent = rollups.read(
+        conn, pk, names, step_from=step - OUTLIER_WINDOW + 1, step_to=step, live=live
+    )
+    for name, family in zip(names, (fam.gpu_xid, fam.gpu_ecc), strict=True):
+        sums = [st.mean * st.n for st in recent.get(name, {}).values()]
+        family.add_metric(run, float(round(max(sums))) if sums else 0.0)
 
 
 class ReadModelCollector(Collector):

@@ -148,6 +148,9 @@ class Step(Base):
     memory: Mapped[dict[str, Any]] = mapped_column(JSON)
     #: User scalars from run.log().
     scalars: Mapped[dict[str, Any]] = mapped_column(JSON)
+    #: events.GpuTelemetry as a dict: the rank's GPU during the step (NVML); NULL or JSON
+    #: null without one (CPU runs, no NVML, older agents).
+    gpu: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
     # SQLite: clustered by the primary key, so one rank's steps lie together (migration 0002).
     __table_args__ = (Index("ix_steps_run_step", "run", "step"), {"sqlite_with_rowid": False})

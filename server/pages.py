@@ -466,6 +466,7 @@ def rank_page(run_id: str, rank: int, db: DbDep, settings: SettingsDep) -> HTMLR
         mean_busy_s=sum(busy) / len(busy) if busy else None,
         ratio=_ratio(view.busy_ratio),
         memory_step=view.memory_step,
+        gpu=rank_figs.gpu_text(view.gpu),
         charts=[{"id": k, "wide": w} for k, w in rank_figs.RANK_CHARTS if k in figures],
         figures=html.figures_payload(figures),
     )
@@ -497,6 +498,7 @@ def host_page(run_id: str, host: str, db: DbDep, settings: SettingsDep) -> HTMLR
                 "local_rank": r.local_rank,
                 "mean_busy_s": r.mean_busy_s,
                 "ratio": _ratio(r.ratio),
+                "gpu": rank_figs.gpu_text(r.gpu),
             }
             for r in view.ranks
         ],

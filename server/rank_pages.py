@@ -21,7 +21,9 @@ from zerowatch.server import models as m
 from zerowatch.server.db import Database
 from zerowatch.server.page_queries import MAX_POINTS, sample_steps
 from zerowatch.server.read import rollups, runs, series
+from zerowatch.server.read.doctor_evidence import gpu_health
 from zerowatch.server.read.rollups import Stats
+from zerowatch.server.read.vocabulary import rank_values_of
 
 from zerowatch import events as ev
 
@@ -46,6 +48,27 @@ def _own(conn: Connection, pk: int, metric: str, ranks: list[int],
         by_step = {int(st): float(v) for _, st, v in group if v is not None}
         xs = sorted(by_step)
         out[int(rk)] = Series(xs, [by_step[s] for s in xs])
+    return out
+
+
+def _gpu(conn: Connection, pk: int, ranks: list[int], steps: list[int]) -> dict[int, dict]:
+    """{rank: its GPU health over `steps`} (doctor_evidence.gpu_health) of the ranks that
+    sent GPU telemetry, from their rows at those steps."""
+    s = m.steps.c
+    rows = conn.execute(
+        select(*(s[c] for c in rollups.STEP_COLS))
+        .where(s.run == pk, s.rank.in_(ranks), s.step.in_(steps), s.gpu.is_not(None))
+        .order_by(s.seq)
+    ).all()
+    per_rank: dict[int, dict[int, dict[str, float]]] = {}
+    for r, values in zip(rows, rank_values_of([r._mapping for r in rows], [() for _ in rows]),
+                         strict=True):  # fmt: skip
+        per_rank.setdefault(int(r.rank), {})[int(r.step)] = values
+    out = {}
+    for rank, per_step in per_rank.items():
+        health = gpu_health(per_step)
+        if health is not None:
+            out[rank] = health
     return out
 
 
@@ -102,6 +125,12 @@ def rank_view(
         stats = rollups.read(conn, pk, names, steps_in=steps)
         mine = {name: _own(conn, pk, name, [rank], steps).get(rank, Series()) for name in names}
         _memory(conn, pk, rank, view)
+        view.gpu = _gpu(conn, pk, [rank], steps).get(rank)
+        if view.gpu is not None:
+            view.gpu_clock = _own(conn, pk, "gpu.sm_clock_ratio", [rank], steps).get(rank, Series())
+            view.gpu_throttled = _own(conn, pk, "gpu.throttled", [rank], steps).get(rank, Series())
+            clock = rollups.read(conn, pk, ["gpu.sm_clock_ratio"], steps_in=steps)
+            view.gpu_clock_median = _p50(clock.get("gpu.sm_clock_ratio", {}), steps)
     view.steps = list(mine["step_time_s"].steps)
     none: dict[int, Stats] = {}
     for attr, name in (("step_time", "step_time_s"), ("busy", "busy_s"),
@@ -182,6 +211,7 @@ def host_view(
             return None
         ranks = [int(r.rank) for r in on_host]
         busy = _own(conn, pk, "busy_s", ranks, steps) if steps else {}
+        gpus = _gpu(conn, pk, ranks, steps) if steps else {}
         median = (
             _p50(rollups.read(conn, pk, ["busy_s"], steps_in=steps)["busy_s"], steps)
             if steps
@@ -192,7 +222,8 @@ def host_view(
         mine = busy.get(int(r.rank), Series())
         rows.append(HostRank(rank=int(r.rank), local_rank=r.local_rank, busy=mine,
                              mean_busy_s=_mean([v for v in mine.values if v is not None]),
-                             ratio=ratio_to_median(mine, median)))  # fmt: skip
+                             ratio=ratio_to_median(mine, median),
+                             gpu=gpus.get(int(r.rank))))  # fmt: skip
     rows.sort(key=lambda h: (h.ratio is None, -(h.ratio or 0.0), h.rank))
     return HostView(run=run, host=host, steps=list(median.steps), busy_median=median, ranks=rows)
 

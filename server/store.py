@@ -248,7 +248,7 @@ STEP_COLUMNS = (
     "run", "rank", "seq", "step", "time", "step_time_s", "exposed_comm_s", "grad_norm",
     "clipped", "loss", "loss_scale", "skipped", "nonfinite", "lr", "samples", "tokens",
     "samples_per_s", "tokens_per_s", "mfu", "phases", "parts", "hidden_comm_s", "offload",
-    "memory", "scalars", "thread_cpu_s", "other_cpu_s",
+    "memory", "scalars", "thread_cpu_s", "other_cpu_s", "gpu",
 )  # fmt: skip
 COLLECTIVE_COLUMNS = (
     "run", "rank", "seq", "op", "purpose", "step", "count", "bytes", "latency_sum_s",
@@ -276,7 +276,7 @@ def _step_row(pk: int, e: ev.StepEvent) -> tuple[Any, ...]:
         pk, e.rank, e.seq, e.step, e.time, e.step_time_s, e.exposed_comm_s, e.grad_norm,
         e.clipped, e.loss, e.loss_scale, e.skipped, e.nonfinite, e.lr, e.samples, e.tokens,
         e.samples_per_s, e.tokens_per_s, e.mfu, e.phases, e.parts, e.hidden_comm_s, offload,
-        memory, e.scalars, e.thread_cpu_s, e.other_cpu_s,
+        memory, e.scalars, e.thread_cpu_s, e.other_cpu_s, e.gpu,
     )  # fmt: skip
 
 

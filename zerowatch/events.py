@@ -139,7 +139,50 @@ METRICS: Final = {
     "run_info": "zerowatch_run_info",
     "run_running": "zerowatch_run_running",
     "steps": "zerowatch_steps_total",
+    # GPU health (NVML, sampled by the agent at about 1 Hz; docs/gpu.md)
+    "gpu_sm_clock_ratio": "zerowatch_gpu_sm_clock_ratio",
+    "gpu_throttled_fraction": "zerowatch_gpu_throttled_ratio",
+    "gpu_throttled_ranks": "zerowatch_gpu_throttled_ranks",
+    "gpu_temperature": "zerowatch_gpu_temperature_celsius",
+    "gpu_power": "zerowatch_gpu_power_watts",
+    "gpu_power_limit_ratio": "zerowatch_gpu_power_limit_ratio",
+    "gpu_xid_errors": "zerowatch_gpu_xid_errors_total",
+    "gpu_ecc_errors": "zerowatch_gpu_ecc_errors_total",
 }
+
+#: NVML's clock event (throttle) reasons, by bit (nvmlClocksEventReason* /
+#: nvmlClocksThrottleReason*: the same bits under both names).
+GPU_THROTTLE_REASONS: Final = {
+    0x1: "gpu_idle",
+    0x2: "applications_clocks_setting",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+}
+#: The reasons that slow a busy GPU below what it could run at: a step that ran under one
+#: of them was *throttled*. (Idle, application clocks, sync boost and display clocks are
+#: settings or the absence of work, not a GPU holding itself back.)
+GPU_SLOWING_REASONS: Final = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+
+
+#: How the slowing reasons read in a sentence ("throttled (power cap)").
+GPU_REASON_LABELS: Final = {
+    "sw_power_cap": "power cap",
+    "hw_slowdown": "hardware slowdown",
+    "sw_thermal_slowdown": "thermal, software",
+    "hw_thermal_slowdown": "thermal, hardware",
+    "hw_power_brake_slowdown": "power brake",
+}
+
+
+def gpu_reason_names(mask: int) -> list[str]:
+    """The names of the reasons set in an NVML clock-event bitmask, lowest bit first."""
+    return [name for bit, name in GPU_THROTTLE_REASONS.items() if mask & bit]
+
 
 # -- records ---------------------------------------------------------------------------
 
@@ -255,6 +298,50 @@ class Span:
 
 
 @dataclass
+class GpuTelemetry:
+    """The rank's own GPU while one step ran, from NVML (the agent samples it at about 1 Hz
+    on a thread of its own; docs/gpu.md). Every field is None where the card or driver does
+    not support the reading. Samples taken during the step are summarised; a step shorter
+    than the sampling interval carries the newest sample before its end (`samples` 0).
+    Error counts are since the agent attached (its first sample is their zero), so a count
+    above 0 is an error of this run."""
+
+    __pydantic_config__ = _FINITE
+
+    #: NVML samples taken while the step ran.
+    samples: int = 0
+    #: SM and memory clocks (MHz, mean of the samples) and the SM clock's maximum.
+    sm_clock_mhz: float | None = None
+    sm_clock_max_mhz: float | None = None
+    mem_clock_mhz: float | None = None
+    #: sm_clock_mhz / sm_clock_max_mhz.
+    sm_clock_ratio: float | None = None
+    #: Clock event reasons seen in the step's samples (OR of the NVML bitmasks:
+    #: GPU_THROTTLE_REASONS), and the share of samples in which one of
+    #: GPU_SLOWING_REASONS held (power cap, thermal, hardware slowdown).
+    throttle_reasons: int | None = None
+    throttled_fraction: float | None = None
+    #: Degrees Celsius; watts drawn and the enforced power limit (mean of the samples).
+    temperature_c: float | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    #: Critical XID events (NVML event set), volatile uncorrected ECC errors, and
+    #: uncorrectable row remaps since the agent attached; remap_pending: a row remap waits
+    #: for a GPU reset.
+    xid_errors: int | None = None
+    last_xid: int | None = None
+    ecc_errors: int | None = None
+    remapped_rows: int | None = None
+    remap_pending: bool | None = None
+    #: PCIe and NVLink throughput, bytes/s (NVML's 20 ms PCIe window; NVLink from the
+    #: throughput counters' change between two samples).
+    pcie_tx_bytes_per_s: float | None = None
+    pcie_rx_bytes_per_s: float | None = None
+    nvlink_tx_bytes_per_s: float | None = None
+    nvlink_rx_bytes_per_s: float | None = None
+
+
+@dataclass
 class StepEvent:
     """Everything one rank measured in one optimizer step."""
 
@@ -306,6 +393,9 @@ class StepEvent:
     #: LOCAL_RANK), so ranks group by node. "" / -1 when unknown.
     host: str = ""
     local_rank: int = -1
+    #: The rank's GPU during the step (NVML); None off a GPU, without NVML, or from agents
+    #: that predate it.
+    gpu: GpuTelemetry | None = None
     kind: Literal["step"] = "step"
 
 
@@ -371,6 +461,9 @@ class EventBatch:
 __all__ = [
     "COLLECTIVE_OPS",
     "DEEPSPEED_TIMER_NAMES",
+    "GPU_REASON_LABELS",
+    "GPU_SLOWING_REASONS",
+    "GPU_THROTTLE_REASONS",
     "LATENCY_BUCKETS",
     "METRICS",
     "PHASES",
@@ -382,6 +475,7 @@ __all__ = [
     "EndEvent",
     "Event",
     "EventBatch",
+    "GpuTelemetry",
     "MemoryStats",
     "OffloadStats",
     "RunCreate",
@@ -389,4 +483,5 @@ __all__ = [
     "StepEvent",
     "bucket_index",
     "bus_bandwidth_factor",
+    "gpu_reason_names",
 ]

@@ -4,7 +4,8 @@ end-to-end tests, the dashboards' tests and the ingest benchmark.
 The numbers follow the ZeRO model (zerowatch.theory): collective sizes per step are the
 theoretical ones for the stage, model-state bytes are the theory's, and phase times are
 drawn around a base step time. Knobs make a run regress (step time grows after a step),
-stall (stop emitting), spike its grad norm, or have a straggler rank.
+stall (stop emitting), spike its grad norm, or have a straggler rank; with GPU telemetry
+(`gpu`), a rank's GPU can be throttled or report XID and ECC errors.
 
 Standard library only.
 """
@@ -46,6 +47,18 @@ class SimSpec:
     grad_spike_at: int | None = None
     #: Ranks per host (torchrun's nproc_per_node): rank r runs on host r // ranks_per_host.
     ranks_per_host: int = 8
+    #: Every rank's steps carry GPU telemetry (events.GpuTelemetry, as the agent's NVML
+    #: probe sends it): a healthy GPU unless named below. On when a GPU knob is set.
+    gpu: bool = False
+    #: This rank's GPU is throttled (`gpu_throttle_reasons`, NVML's bits: 0x4 power cap)
+    #: in `gpu_throttled_share` of its steps, its SM clock then at 75% of its maximum.
+    gpu_throttled_rank: int | None = None
+    gpu_throttle_reasons: int = 0x4
+    gpu_throttled_share: float = 1.0
+    #: This rank's GPU reports one more critical XID (79) and one more uncorrected ECC
+    #: error every step from `gpu_errors_at` on.
+    gpu_error_rank: int | None = None
+    gpu_errors_at: int = 0
     #: Every this many steps carries raw spans (for the trace export); 0 = never.
     spans_every: int = 10
     seed: int = 0
@@ -110,6 +123,37 @@ def _collectives(spec: SimSpec, rng: random.Random, scale: float) -> list[ev.Col
             )
         )  # fmt: skip
     return out
+
+
+def gpu_telemetry(spec: SimSpec, rank: int, step: int) -> ev.GpuTelemetry | None:
+    """One rank's GPU during one step (None when the spec simulates no GPU telemetry)."""
+    if not (spec.gpu or spec.gpu_throttled_rank is not None or spec.gpu_error_rank is not None):
+        return None
+    share = spec.gpu_throttled_share
+    throttled = spec.gpu_throttled_rank == rank and int((step + 1) * share) > int(step * share)
+    errors = max(step - spec.gpu_errors_at + 1, 0) if spec.gpu_error_rank == rank else 0
+    sm_max = 1980.0
+    sm = sm_max * (0.75 if throttled else 1.0)
+    limit = 700.0
+    return ev.GpuTelemetry(
+        samples=1,
+        sm_clock_mhz=sm,
+        sm_clock_max_mhz=sm_max,
+        mem_clock_mhz=2619.0,
+        sm_clock_ratio=sm / sm_max,
+        throttle_reasons=spec.gpu_throttle_reasons if throttled else 0,
+        throttled_fraction=1.0 if throttled else 0.0,
+        temperature_c=84.0 if throttled else 62.0,
+        power_w=limit if throttled else 540.0,
+        power_limit_w=limit,
+        xid_errors=errors,
+        last_xid=79 if errors else None,
+        ecc_errors=errors,
+        remapped_rows=0,
+        remap_pending=False,
+        pcie_tx_bytes_per_s=2e9,
+        pcie_rx_bytes_per_s=2e9,
+    )
 
 
 def step_event(spec: SimSpec, rank: int, step: int, *, t: float | None = None,
@@ -211,6 +255,7 @@ def step_event(spec: SimSpec, rank: int, step: int, *, t: float | None = None,
         spans=spans,
         host=host_of(spec, rank),
         local_rank=rank % spec.ranks_per_host,
+        gpu=gpu_telemetry(spec, rank, step),
     )
 
 
@@ -225,4 +270,4 @@ def steps(spec: SimSpec, n_steps: int, *, start: int = 0,
         yield [step_event(spec, r, step, t=t) for r in range(spec.world_size)]
 
 
-__all__ = ["SimSpec", "host_of", "run_create", "step_event", "steps"]
+__all__ = ["SimSpec", "gpu_telemetry", "host_of", "run_create", "step_event", "steps"]

@@ -134,6 +134,10 @@ def straggler(e: Evidence, s: DoctorSettings) -> list[Finding]:
         "communication": "Its links are slower than the others': check the node's NIC / "
         "NVLink (nccl-tests between it and a healthy node, ibstat, link errors).",
     }[part]
+    gpu = e.rank_gpu.get(rank)
+    gpu_says, gpu_suggestion = _gpu_sentence(gpu)
+    if gpu_suggestion and part == "compute":
+        suggestion = gpu_suggestion
     return [
         Finding(
             kind="straggler",
@@ -152,7 +156,8 @@ def straggler(e: Evidence, s: DoctorSettings) -> list[Finding]:
                 if explained >= 0.5
                 else f"Its own phases explain only {_pct(max(explained, 0.0))} of it: the "
                 "ranks rather wait for each other unevenly in communication."
-            ),
+            )
+            + gpu_says,
             suggestion=suggestion,
             evidence={
                 "part": part,
@@ -163,10 +168,56 @@ def straggler(e: Evidence, s: DoctorSettings) -> list[Finding]:
                 "explained_share": explained,
                 "by_metric_s": by_metric,
                 "outliers": e.busy_outliers[:4],
+                "gpu": gpu,
             },
             chart="ranks",
         )
     ]
+
+
+def gpu_reasons_text(reasons: dict[str, float]) -> str:
+    """The slowing reasons of a GPU health summary as words: "power cap, thermal, hardware"."""
+    return ", ".join(ev.GPU_REASON_LABELS.get(r, r) for r in reasons)
+
+
+def _gpu_sentence(gpu: dict[str, Any] | None) -> tuple[str, str | None]:
+    """What the slow rank's GPU telemetry says (a sentence to append to the finding), and
+    the suggestion it makes (None: keep the generic one)."""
+    if gpu is None:
+        return "", None
+    says, suggestion = "", None
+    errors = gpu["xid_errors"] + gpu["ecc_errors"]
+    if gpu["throttled_share"] > 0:
+        reasons = gpu_reasons_text(gpu["reasons"]) or "clock event reasons"
+        clock = gpu["sm_clock_ratio"]
+        says = (
+            f" Its GPU was throttled ({reasons}) in {_pct(gpu['throttled_share'])} of those "
+            "steps" + (f", its SM clock at {_pct(clock)} of its maximum" if clock else "") + "."
+        )
+        suggestion = (
+            f"Its GPU holds its clocks down ({reasons}): check that node's power limit and "
+            "power delivery, its cooling and inlet temperature (nvidia-smi -q -d "
+            "PERFORMANCE,POWER,TEMPERATURE) against a healthy node's. Replace or drain the "
+            "node if it stays throttled."
+        )
+    if errors:
+        says += (
+            f" Its GPU reported {gpu['xid_errors']} critical XID event(s) and "
+            f"{gpu['ecc_errors']} uncorrected ECC error(s) during the run."
+        )
+        suggestion = (
+            "Its GPU is failing (XID events, uncorrected ECC errors): drain the node, read "
+            "its kernel log (dmesg | grep -i xid) and nvidia-smi -q -d ECC,ROW_REMAPPER, and "
+            "resume from a checkpoint taken before the errors."
+        )
+    if not says:
+        says = " Its GPU ran unthrottled and without errors in those steps."
+        suggestion = (
+            "Its GPU ran at its clocks without throttling or errors: look at another "
+            "process on the device or host, a slower device model, the rank's data loading, "
+            "or longer samples in its shard."
+        )
+    return says, suggestion
 
 
 def input_stall(e: Evidence, s: DoctorSettings) -> list[Finding]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Connection, select
@@ -14,6 +14,8 @@ from zerowatch.server.read import rollups, series
 from zerowatch.server.read.doctor_settings import DoctorSettings
 from zerowatch.server.read.rollups import Stats
 from zerowatch.server.read.vocabulary import rank_values_of
+
+from zerowatch import events as ev
 
 #: Performance metrics read over the window: these names, and every name under a prefix.
 PERF_NAMES = ("step_time_s", "busy_s", "exposed_comm_s", "hidden_comm_s", "thread_cpu_s",
@@ -48,6 +50,8 @@ class Evidence:
     rank_busy: dict[int, dict[int, float]]
     #: Median seconds between consecutive steps (outside the engine) of a few ranks.
     gaps: dict[int, float]
+    #: The worst busy rank's GPU over the window (`gpu_health`), where it sent GPU telemetry.
+    rank_gpu: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def median(self, name: str, stat: str = "p50", *, signals: bool = False) -> float | None:
         """The median over the window's steps of one statistic of a metric."""
@@ -111,6 +115,37 @@ def _rank_values(conn: Connection, pk: int, rank: int, lo: int, hi: int) -> dict
     return {int(r.step): v for r, v in zip(rows, values, strict=True)}
 
 
+def gpu_health(per_step: dict[int, dict[str, float]]) -> dict[str, Any] | None:
+    """One rank's GPU over its steps ({step: its metrics}), or None without GPU telemetry:
+    the steps with telemetry, the share of them throttled and of each slowing reason, the
+    mean SM clock ratio, temperature and power over its limit, and the XID and ECC errors
+    counted (the newest counts: they are since the agent attached)."""
+    have = {st: v for st, v in per_step.items() if any(k.startswith("gpu.") for k in v)}
+    if not have:
+        return None
+    n = len(have)
+
+    def mean(name: str) -> float | None:
+        vals = [v[name] for v in have.values() if name in v]
+        return statistics.fmean(vals) if vals else None
+
+    newest = have[max(have)]
+    reasons = {
+        name: sum(1 for v in have.values() if v.get(f"gpu.reason.{name}") == 1.0) / n
+        for name in ev.GPU_REASON_LABELS
+    }
+    return {
+        "steps": n,
+        "throttled_share": sum(1 for v in have.values() if v.get("gpu.throttled") == 1.0) / n,
+        "reasons": {k: v for k, v in sorted(reasons.items(), key=lambda kv: -kv[1]) if v > 0},
+        "sm_clock_ratio": mean("gpu.sm_clock_ratio"),
+        "temperature_c": mean("gpu.temperature_c"),
+        "power_ratio": mean("gpu.power_ratio"),
+        "xid_errors": int(newest.get("gpu.xid_errors", 0)),
+        "ecc_errors": int(newest.get("gpu.ecc_errors", 0)),
+    }
+
+
 def gather(
     conn: Connection, pk: int, run: dict[str, Any], settings: DoctorSettings
 ) -> Evidence | None:
@@ -133,6 +168,7 @@ def gather(
     outl = series.outliers(conn, pk, "busy_s", k=8, step_from=lo, step_to=hi)
     rank_means: dict[int, dict[str, float]] = {}
     rank_busy: dict[int, dict[int, float]] = {}
+    rank_gpu: dict[int, dict[str, Any]] = {}
     if outl and int(run["world_size"]) > 1:
         worst = int(outl[0]["rank"])
         wanted = [n for n in (*RANK_PARTS, "busy_s") if perf.get(n)]
@@ -140,6 +176,9 @@ def gather(
         # the rank's rows in the window, each turned into its metrics at once.
         per_step = _rank_values(conn, pk, worst, lo, hi)
         rank_means[worst] = {}
+        health = gpu_health(per_step)
+        if health is not None:
+            rank_gpu[worst] = health
         for name in wanted:
             vals = [v[name] for v in per_step.values() if name in v]
             if name == "busy_s":
@@ -157,9 +196,9 @@ def gather(
     return Evidence(
         run=run, window=(lo, hi), perf=perf, signal_window=(s_lo, hi), signals=signals,
         totals=rollups.totals(conn, pk), busy_outliers=outl, hosts=hosts,
-        rank_means=rank_means, rank_busy=rank_busy, gaps=gaps,
+        rank_means=rank_means, rank_busy=rank_busy, gaps=gaps, rank_gpu=rank_gpu,
     )  # fmt: skip
 
 
 __all__ = ["PERF_NAMES", "PERF_PREFIXES", "RANK_PARTS", "SIGNAL_NAMES", "Evidence", "gather",
-           "step_gaps"]  # fmt: skip
+           "gpu_health", "step_gaps"]  # fmt: skip

@@ -165,7 +165,7 @@ STEP_COLS = (
     "rank", "seq", "step", "step_time_s", "exposed_comm_s", "hidden_comm_s", "grad_norm",
     "loss", "lr", "loss_scale", "samples_per_s", "tokens_per_s", "mfu", "samples", "tokens",
     "skipped", "nonfinite", "clipped", "phases", "parts", "offload", "memory", "scalars",
-    "thread_cpu_s", "other_cpu_s",
+    "thread_cpu_s", "other_cpu_s", "gpu",
 )  # fmt: skip
 _COLL_COLS = ("rank", "seq", "op", "count", "bytes", "latency_sum_s", "latency_max_s", "busbw",
               "buckets")  # fmt: skip
@@ -369,7 +369,7 @@ _STEP_AT = {name: i for i, name in enumerate(STEP_COLS)}
 _COLL_AT = {name: i for i, name in enumerate(_COLL_COLS)}
 _STEP, _RANK, _SEQ = _STEP_AT["step"], _STEP_AT["rank"], _STEP_AT["seq"]
 _STEP_RANK_SEQ = operator.itemgetter(_STEP, _RANK, _SEQ)
-_JSON_AT = [_STEP_AT[name] for name in ("phases", "parts", "offload", "memory", "scalars")]
+_JSON_AT = [_STEP_AT[name] for name in ("phases", "parts", "offload", "memory", "scalars", "gpu")]
 _BUCKETS = _COLL_AT["buckets"]
 
 

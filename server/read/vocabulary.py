@@ -11,7 +11,12 @@ events.STEP_PARTS), `collective.<op>.<field>`
 over the step, weighted by time), `offload.<d2h|h2d>.<bandwidth|bytes|seconds>`,
 `memory.peak` (the highest phase peak), `memory.peak.<phase>`, `memory.state` (model state
 held, all kinds), `memory.state.<kind>`, `memory.theory.<kind>`, `memory.rss_peak`,
-`memory.reserved`, `memory.capacity`, `scalars.<name>`.
+`memory.reserved`, `memory.capacity`, `scalars.<name>`, and the rank's GPU during the step
+(NVML, events.GpuTelemetry; docs/gpu.md) `gpu.<field>` for each of GPU_FIELDS, with
+`gpu.throttled` (0/1: some sample of the step was throttled), `gpu.power_ratio` (power
+over its limit), `gpu.errors` (XID plus uncorrected ECC errors since the agent attached)
+and `gpu.reason.<reason>` (0/1: the step's samples saw that slowing reason,
+events.GPU_REASON_LABELS; only reasons some rank-step saw).
 
 `busy_s` is the step time less the communication compute did not hide: the time a rank
 spends computing. Ranks of a synchronous job share their step time (the fast ones wait in
@@ -68,6 +73,26 @@ MEMORY_SCALARS = {
     "reserved": "reserved_bytes",
     "capacity": "capacity_bytes",
 }
+#: The numeric fields of events.GpuTelemetry, with their units.
+GPU_FIELDS = {
+    "sm_clock_mhz": "MHz",
+    "sm_clock_max_mhz": "MHz",
+    "mem_clock_mhz": "MHz",
+    "sm_clock_ratio": "",
+    "throttled_fraction": "",
+    "temperature_c": "°C",
+    "power_w": "W",
+    "power_limit_w": "W",
+    "xid_errors": "errors",
+    "ecc_errors": "errors",
+    "remapped_rows": "rows",
+    "pcie_tx_bytes_per_s": "B/s",
+    "pcie_rx_bytes_per_s": "B/s",
+    "nvlink_tx_bytes_per_s": "B/s",
+    "nvlink_rx_bytes_per_s": "B/s",
+}
+#: Derived from the GPU fields: computed, not stored.
+GPU_DERIVED = {"throttled": "", "power_ratio": "", "errors": "errors"}
 _NESTED_MEMORY = {"peak": "peak_by_phase", "state": "model_state", "theory": "model_state_theory"}
 
 KEY = r"[A-Za-z0-9_./:\-]{1,100}"
@@ -99,6 +124,8 @@ def metric_unit(metric: str) -> str:
         return OFFLOAD_FIELDS.get(rest.rpartition(".")[2], "")
     if head == "memory":
         return "B"
+    if head == "gpu":
+        return GPU_FIELDS.get(rest, GPU_DERIVED.get(rest, ""))
     return ""
 
 
@@ -153,6 +180,20 @@ def step_expr(metric: str) -> Any:
                 f"metric {metric!r} is a rollup of several keys: read it from the rollups "
                 f"(the default rank selection), or per rank as memory.{sub}.<key>"
             )
+    if head == "gpu" and rest in GPU_FIELDS:
+        return s.gpu[rest].as_float()
+    if head == "gpu" and rest.startswith("reason.") and rest[7:] in ev.GPU_REASON_LABELS:
+        bit = next(b for b, n in ev.GPU_THROTTLE_REASONS.items() if n == rest[7:])
+        return cast(
+            func.coalesce(s.gpu["throttle_reasons"].as_integer(), 0).op("&")(bit) > 0, Float
+        )
+    if head == "gpu" and rest in GPU_DERIVED:
+        g = s.gpu
+        return {
+            "throttled": cast(g["throttled_fraction"].as_float() > 0, Float),
+            "power_ratio": g["power_w"].as_float() / func.nullif(g["power_limit_w"].as_float(), 0),
+            "errors": g["xid_errors"].as_float() + g["ecc_errors"].as_float(),
+        }[rest]
     if head == "collective":
         return None
     raise UnknownMetric(
@@ -336,6 +377,7 @@ def rank_table_of_columns(
                 total = np.nansum(block, axis=0)
                 total[~have] = np.nan
                 t.cols["memory.state"] = total
+    _gpu_columns(t, column("gpu"))
     # Every collectives row of every rank-step at once; `at` is the rank-step of each.
     if coll is not None:
         ops = coll("op")
@@ -367,6 +409,31 @@ def rank_table_of_columns(
                 ):
                     t.cols[p + name] = np.where(ok, value, np.nan)
     return {name: c for name, c in t.cols.items() if not np.isnan(c).all()}
+
+
+def _gpu_columns(t: _Table, values: Sequence[Any]) -> None:
+    """gpu.<field> columns from each rank-step's GpuTelemetry (a stored dict, or the
+    agent's dataclass on the ingest writer's rows), and the derived ones."""
+    gpus = [(g if type(g) is dict else vars(g)) if g else None for g in values]
+    if not any(gpus):
+        return
+    for fld in GPU_FIELDS:
+        t.cols[f"gpu.{fld}"] = _floats([g.get(fld) if g else None for g in gpus])
+    throttled = t.cols["gpu.throttled_fraction"]
+    t.cols["gpu.throttled"] = np.where(np.isnan(throttled), np.nan, (throttled > 0) * 1.0)
+    limit = t.cols["gpu.power_limit_w"]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t.cols["gpu.power_ratio"] = np.where(limit > 0, t.cols["gpu.power_w"] / limit, np.nan)
+    xid, ecc = t.cols["gpu.xid_errors"], t.cols["gpu.ecc_errors"]
+    errors = np.nansum([xid, ecc], axis=0)
+    errors[np.isnan(xid) & np.isnan(ecc)] = np.nan
+    t.cols["gpu.errors"] = errors
+    masks = [g.get("throttle_reasons") if g else None for g in gpus]
+    known = np.array([type(x) is int for x in masks])
+    ints = np.array([x if type(x) is int else 0 for x in masks], dtype=np.int64)
+    for bit, name in ev.GPU_THROTTLE_REASONS.items():
+        if name in ev.GPU_REASON_LABELS and (ints & bit).any():
+            t.cols[f"gpu.reason.{name}"] = np.where(known, ((ints & bit) > 0) * 1.0, np.nan)
 
 
 def _columns(
@@ -404,6 +471,8 @@ def rank_values_of(
 __all__ = [
     "COLLECTIVE_FIELDS",
     "DERIVED",
+    "GPU_DERIVED",
+    "GPU_FIELDS",
     "KEY_RE",
     "MEMORY_SCALARS",
     "OFFLOAD_FIELDS",

@@ -102,7 +102,8 @@ def test_every_alert_names_its_run_and_has_severity_and_annotations() -> None:
         "ZeroWatchStepTimeRegression", "ZeroWatchOptimizerStepSlow", "ZeroWatchAllGatherP99High",
         "ZeroWatchGradNormSpike", "ZeroWatchRunStalled", "ZeroWatchStragglerRank",
         "ZeroWatchMemoryHeadroomLow", "ZeroWatchOffloadBandwidthLow",
-        "ZeroWatchLossScaleCollapse", "ZeroWatchNonFiniteLoss",
+        "ZeroWatchLossScaleCollapse", "ZeroWatchNonFiniteLoss", "ZeroWatchGpuThrottled",
+        "ZeroWatchGpuErrors",
     }  # fmt: skip
     for name, rule in alerts.items():
         assert rule["labels"]["severity"] in ("warning", "critical"), name

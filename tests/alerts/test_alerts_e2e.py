@@ -1,6 +1,8 @@
 """End to end: a real Prometheus loads the rendered rules, scrapes a live zerowatch server
 fed simulated runs, and raises ZeroWatchStepTimeRegression for the run whose step time
-regresses and ZeroWatchRunStalled for the run that stops sending.
+regresses, ZeroWatchRunStalled for the run that stops sending, ZeroWatchGpuThrottled for
+the run one of whose GPUs stays throttled and ZeroWatchGpuErrors for the run one of whose
+GPUs starts reporting XID and ECC errors (the GPU telemetry as the agents send it).
 
 The rules are rendered with windows of seconds (the settings an operator would shrink),
 Prometheus scrapes and evaluates every second, and the simulated runs post one step every
@@ -33,6 +35,7 @@ SETTINGS = AlertSettings.load(
     [
         f"window={WINDOW_S}s", f"step_time_baseline_offset={OFFSET_S}s",
         "step_time_regression_for=2s", "stall_after=4s", "stall_for=1s",
+        "gpu_throttled_for=2s", f"gpu_errors_window={WINDOW_S}s",
     ],
 )  # fmt: skip
 STEP_EVERY_S = 0.25
@@ -120,7 +123,7 @@ def test_prometheus_raises_regression_and_stall_alerts_from_a_live_server(
 
             groups = prom.rules()
             assert all(r["health"] != "err" for g in groups for r in g["rules"]), groups
-            assert len(groups) == 10
+            assert len(groups) == 12
 
             regressing = SimulatedRun(
                 server, SimSpec(name="regressing", project="e2e", step_time_s=0.5, seed=1)
@@ -128,7 +131,14 @@ def test_prometheus_raises_regression_and_stall_alerts_from_a_live_server(
             stalling = SimulatedRun(
                 server, SimSpec(name="stalling", project="e2e", seed=2), max_steps=8
             ).start()
-            runs += [regressing, stalling]
+            throttled = SimulatedRun(
+                server, SimSpec(name="throttled", project="e2e", gpu_throttled_rank=1, seed=3)
+            ).start()
+            erroring = SimulatedRun(
+                server,
+                SimSpec(name="erroring", project="e2e", gpu_error_rank=0, gpu_errors_at=12, seed=4),
+            ).start()
+            runs += [regressing, stalling, throttled, erroring]
 
             # Let Prometheus hold a baseline one offset long, then regress.
             step_time = f'zerowatch_step_time_seconds{{run="{regressing.run_id}"}}'
@@ -150,6 +160,8 @@ def test_prometheus_raises_regression_and_stall_alerts_from_a_live_server(
                 want = [
                     ("ZeroWatchStepTimeRegression", regressing.run_id),
                     ("ZeroWatchRunStalled", stalling.run_id),
+                    ("ZeroWatchGpuThrottled", throttled.run_id),
+                    ("ZeroWatchGpuErrors", erroring.run_id),
                 ]
                 return got if all(k in got for k in want) else {}
 
@@ -185,11 +197,23 @@ def test_prometheus_raises_regression_and_stall_alerts_from_a_live_server(
             f"Run stalling (id {stalling.run_id}, project e2e)" in stall["annotations"]["summary"]
         )
 
+        gpu = alerts[("ZeroWatchGpuThrottled", throttled.run_id)]
+        assert gpu["labels"]["severity"] == "warning" and float(gpu["value"]) == 1
+        assert f"1 GPUs of run throttled (id {throttled.run_id}" in gpu["annotations"]["summary"]
+        errors = alerts[("ZeroWatchGpuErrors", erroring.run_id)]
+        assert errors["labels"]["severity"] == "critical" and float(errors["value"]) > 0
+        assert (
+            f"GPU errors in run erroring (id {erroring.run_id}" in errors["annotations"]["summary"]
+        )
+
         # Nothing else fired on these healthy-otherwise runs: no regression of the run that
-        # stalled, no stall of the run that kept sending, no other alert.
+        # stalled, no stall of the run that kept sending, no GPU alert of a run without
+        # GPU trouble, no other alert.
         assert set(alerts) == {
             ("ZeroWatchStepTimeRegression", regressing.run_id),
             ("ZeroWatchRunStalled", stalling.run_id),
+            ("ZeroWatchGpuThrottled", throttled.run_id),
+            ("ZeroWatchGpuErrors", erroring.run_id),
         }, sorted(alerts)
 
     assert time.monotonic() - started < 60
