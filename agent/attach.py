@@ -1,26 +1,32 @@
 """`instrument(engine, ...)`: wire an engine to the agent and start shipping.
 
-At instrument time, once per job, rank 0 draws the run id and start time and broadcasts
-them over the engine's process group, and the ranks gather their host names: every rank's
-agent then describes the same run (the RunCreate is identical on all ranks, and the server
-creates a run idempotently on its id).
+At instrument time, once per job:
+- rank 0 draws the run id and start time and broadcasts them over the engine's process
+  group (without a group, every rank derives the same id from the launcher's job id:
+  `_fallback_id`). Rank 0 alone creates the run on the server (one gzip'd POST for the
+  job, naming no hosts); the other ranks post their events to the id they were given,
+  and each rank's events name its host and node (`recorder.launcher_node`);
+- the ranks estimate their clock's offset to rank 0's over the same group
+  (`zerowatch.clocks`), so every time they send is on rank 0's clock;
+- the MFU meter is made from the device's peak (by its name) and the model's FLOPs per
+  token (agent/flops.py).
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import hashlib
 import itertools
 import os
 import re
-import socket
 import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from zerowatch.agent import codec
+from zerowatch.agent import codec, flops
 from zerowatch.agent.adapters import EngineAdapter, JobInfo, select_adapter
 from zerowatch.agent.client import IngestClient
 from zerowatch.agent.config import AgentConfig
@@ -32,7 +38,7 @@ from zerowatch.agent.run import Run
 from zerowatch.agent.spool import Spool
 from zerowatch.agent.transport import Transport
 
-from zerowatch import __version__
+from zerowatch import __version__, clocks
 from zerowatch import events as ev
 
 DEFAULT_SPOOL_ROOT = "zerowatch-spool"
@@ -43,30 +49,96 @@ def _slug(name: str) -> str:
     return _SLUG.sub("-", name.lower()).strip("-")[:40] or "run"
 
 
-def _fallback_id() -> str:
+#: The launcher's id of the job, the same on every rank (torchrun, SLURM, Open MPI's).
+_JOB_ID_KEYS = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_orte_ess_jobid",
+                "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+
+
+def _fallback_id(name: str | None = None) -> str:
     """An id every rank derives alike from the launcher's environment (no collectives)."""
-    key = "|".join(
-        os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
-    )
-    return "run-" + hashlib.sha1(key.encode()).hexdigest()[:12]
+    key = "|".join(os.environ.get(k, "") for k in _JOB_ID_KEYS)
+    return f"{_slug(name) if name else 'run'}-" + hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
 def _agree(
     adapter: EngineAdapter, job: JobInfo, name: str | None, health: AgentHealth
-) -> tuple[str, float, list[str]]:
-    """(run id, start time, host name per rank), the same on every rank."""
+) -> tuple[str, float]:
+    """(run id, start time), the same on every rank."""
     proposal = (f"{_slug(name) if name else 'run'}-{uuid.uuid4().hex[:12]}", time.time())
     try:
         run_id, started = adapter.broadcast_object(proposal, src=0)
     except Exception as e:
         health.error("agreeing on the run id over the process group", e)
-        run_id, started = _fallback_id(), proposal[1]
+        run_id, started = _fallback_id(name), proposal[1]
+    return str(run_id), float(started)
+
+
+def _clock_offset(adapter: EngineAdapter, job: JobInfo, config: AgentConfig,
+                  health: AgentHealth, fallback: float = 0.0) -> float:  # fmt: skip
+    """This host's clock minus rank 0's, from a few round trips over the job's group;
+    `fallback` on one rank, when turned off, or when the group fails (logged)."""
+    if job.world_size < 2 or not config.clock_sync_rounds:
+        return fallback
     try:
-        hosts = [str(h) for h in adapter.all_gather_object(socket.gethostname())]
+        offset, _ = clocks.offset_to_rank0(
+            adapter.broadcast_object, adapter.all_gather_object, rank=job.rank,
+            rounds=config.clock_sync_rounds,
+        )  # fmt: skip
+        return offset
     except Exception as e:
-        health.error("gathering host names", e)
-        hosts = [socket.gethostname()]
-    return str(run_id), float(started), hosts
+        health.error("estimating the clock offset to rank 0", e)
+        return fallback
+
+
+def _model_of(engine: Any, adapter: EngineAdapter) -> Any:
+    """The nn.Module being trained (unwrapped from DDP / DeepSpeed), or None."""
+    try:
+        from torch import nn
+    except ImportError:
+        return None
+    for candidate in (getattr(adapter, "model", None), getattr(engine, "module", None), engine):
+        if isinstance(candidate, nn.Module):
+            inner: Any = candidate
+            while isinstance(getattr(inner, "module", None), nn.Module):
+                inner = inner.module
+            return inner
+    return None
+
+
+def device_name(device: Any) -> str | None:
+    """torch.cuda.get_device_name of a CUDA device; None off CUDA or when it fails."""
+    if device is None:
+        return None
+    try:
+        import torch
+
+        return str(torch.cuda.get_device_name(device))
+    except Exception:
+        return None
+
+
+def _mfu_meter(engine: Any, adapter: EngineAdapter, job: JobInfo, config: AgentConfig,
+               health: AgentHealth, device: Any) -> flops.MfuMeter:  # fmt: skip
+    """MFU from the device's table peak and the model's FLOPs, hand input overriding each."""
+    name = device_name(device)
+    peak = config.peak_flops or flops.peak_flops(name, flops.matmul_dtype(job.precision))
+    model: flops.ModelFlops | None = None
+    module = _model_of(engine, adapter)
+    if module is not None:
+        try:
+            model = flops.model_flops(module, param_count=job.param_count)
+        except Exception as e:
+            health.error("counting the model's FLOPs per token", e)
+    elif job.param_count:
+        model = flops.ModelFlops(params=job.param_count)
+    if model is None and config.flops_params is not None:
+        model = flops.ModelFlops(params=config.flops_params)
+    if model is not None:
+        given = {"params": config.flops_params, "num_layers": config.num_layers,
+                 "hidden_size": config.hidden_size, "seq_len": config.seq_len}  # fmt: skip
+        model = dataclasses.replace(model, **{k: v for k, v in given.items() if v is not None})
+    return flops.MfuMeter(model=model, peak_flops=peak, flops_per_token=config.flops_per_token,
+                          warn_once=health.warn_once, device_name=name)  # fmt: skip
 
 
 def _check_args(project: Any, tags: Any, run: Any) -> list[str]:
@@ -138,7 +210,8 @@ def instrument(
     adapter = select_adapter(engine, optimizer=optimizer)
     job = adapter.info()
     health = AgentHealth()
-    run_id, started, hosts = _agree(adapter, job, run, health)
+    run_id, started = _agree(adapter, job, run, health)
+    clock_offset = _clock_offset(adapter, job, config, health)
     name = config.name or run or run_id
 
     run_create = ev.RunCreate(
@@ -161,7 +234,7 @@ def instrument(
         precision=job.precision,  # type: ignore[arg-type]
         config=job.config,
         param_count=job.param_count,
-        hosts=hosts,
+        hosts=[],  # each rank's events name its host and node
         torch_version=_torch_version(),
         zerowatch_version=__version__,
         theory=job.theory,
@@ -188,6 +261,7 @@ def instrument(
         retry_max_wait_s=config.retry_max_wait_s,
         http_timeout_s=config.http_timeout_s,
         rank=job.rank,
+        creates_run=job.rank == 0,
     )
     on_cuda = job.device.startswith("cuda")
     device = adapter.torch_device() if on_cuda else None
@@ -207,7 +281,13 @@ def instrument(
     recorder = StepRecorder(
         adapter=adapter, job=job, config=config, health=health, clock=clock,
         memory=memory, emit=transport.submit, next_seq=lambda: next(seq), gpu=gpu,
+        mfu=_mfu_meter(engine, adapter, job, config, health, device),
     )  # fmt: skip
+    recorder.set_clock_offset(clock_offset)
+    if job.world_size > 1 and config.clock_sync_rounds:
+        recorder.resync_clock = lambda: _clock_offset(
+            adapter, job, config, health, fallback=recorder.clock_offset_s
+        )
     handle = Run(
         run_id=run_id, name=name, job=job, adapter=adapter, recorder=recorder,
         transport=transport, memory=memory, health=health, config=config, server=server,

@@ -1,6 +1,6 @@
 """HTTP client of the server's ingest API (knows nothing of torch or of threads).
 
-    POST {server}/api/v1/runs                  RunCreate JSON, idempotent on run_id
+    POST {server}/api/v1/runs                  RunCreate JSON, gzip, idempotent on run_id
     POST {server}/api/v1/runs/{run_id}/events  EventBatch JSON, gzip; -> {"accepted", "duplicates"}
 
 Failures are sorted into three kinds, because the shipper treats them differently:
@@ -49,6 +49,8 @@ import tenacity
 # are the script's (the agent leaves them as it found them).
 with warnings.catch_warnings():
     import urllib3
+
+from zerowatch.agent import codec
 
 from zerowatch import __version__
 
@@ -279,13 +281,14 @@ class IngestClient:
         return answer
 
     def create_run(self, run_create: bytes) -> None:
-        """POST the RunCreate JSON (idempotent on run_id)."""
+        """POST the RunCreate JSON, gzip-compressed as event batches are (idempotent on
+        run_id)."""
         self._retrying(
             self._post,
             "/api/v1/runs",
             missing_run_is_transient=False,
-            content=run_create,
-            headers={"Content-Type": "application/json"},
+            content=codec.gzip(run_create),
+            headers=_EVENTS_HEADERS,
         )
 
     def post_events(self, run_id: str, gz_body: bytes, *, retry: bool = True) -> IngestResult:

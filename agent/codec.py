@@ -82,8 +82,12 @@ def batch_body(run_id: str, event_lines: list[bytes]) -> bytes:
         ev.SCHEMA_VERSION,
         json.dumps(run_id).encode(),
     )
-    raw = head + b",".join(event_lines) + b"]}"
+    return gzip(head + b",".join(event_lines) + b"]}")
+
+
+def gzip(raw: bytes) -> bytes:
+    """`raw` in the gzip format, at the level event batches are sent with (also a RunCreate)."""
     return zlib_ng.compress(raw, 2, wbits=_GZIP)
 
 
-__all__ = ["batch_body", "dumps", "encode", "to_dict"]
+__all__ = ["batch_body", "dumps", "encode", "gzip", "to_dict"]

@@ -62,16 +62,27 @@ class AgentConfig:
     """Spooled events reach the disk (fsync) at least this often, and at segment ends and
     at close."""
     peak_flops: float | None = None
-    """Peak FLOP/s of one device (e.g. 989e12 for an H100 in bf16); enables MFU."""
+    """Peak FLOP/s of one device (e.g. 989.5e12 for an H100 SXM in bf16). Default: from
+    the table of `agent/flops.py` by the device's name and the run's precision (None for
+    a device not listed: no MFU)."""
+    flops_per_token: float | None = None
+    """Model FLOPs per trained token (forward + backward), in place of the accounting the
+    agent makes from the model (6·N + 12·L·H·T, MoE experts by their top-k)."""
     flops_params: int | None = None
-    """Parameters counted for 6·N FLOPs per token (default: the engine's parameter count;
-    torchtitan leaves out the embedding)."""
+    """Parameters counted for 6·N FLOPs per token (default: the model's trainable
+    parameters less its embedding tables, experts counted by their top-k)."""
     num_layers: int | None = None
     """Transformer layers L, for the attention FLOPs 12·L·H·T per token."""
     hidden_size: int | None = None
     """Model width H (heads × head dim), for the attention FLOPs."""
     seq_len: int | None = None
     """Sequence length T, for the attention FLOPs."""
+    clock_sync_rounds: int = 8
+    """Round trips over the job's process group per estimate of this host's clock offset
+    to rank 0's (`zerowatch.clocks`); 0: no estimate, times stay on the host's clock."""
+    clock_sync_every: int = 1000
+    """Estimate the offset again every this many steps (between two steps, on every rank
+    together); 0: only at `instrument()`."""
     name: str | None = None
     """Human-readable run name (default: the `run` argument, or the run id)."""
     gpu_telemetry: bool | None = None
@@ -89,7 +100,7 @@ class AgentConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{key}: expected an integer >= 1, got {value!r}")
-        for key in ("spans_every", "max_spool_bytes"):
+        for key in ("spans_every", "max_spool_bytes", "clock_sync_rounds", "clock_sync_every"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{key}: expected an integer >= 0, got {value!r}")
@@ -104,6 +115,10 @@ class AgentConfig:
             isinstance(self.peak_flops, (int, float)) and self.peak_flops > 0
         ):
             raise ValueError(f"peak_flops: expected FLOP/s > 0, got {self.peak_flops!r}")
+        if self.flops_per_token is not None and not (
+            isinstance(self.flops_per_token, (int, float)) and self.flops_per_token > 0
+        ):
+            raise ValueError(f"flops_per_token: expected FLOPs > 0, got {self.flops_per_token!r}")
         for key in ("flops_params", "num_layers", "hidden_size", "seq_len"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 0):

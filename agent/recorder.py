@@ -75,6 +75,20 @@ from zerowatch import events as ev
 _HOST = socket.gethostname()
 _LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "-1") or -1)
 
+
+def launcher_node(environ: dict[str, str] | None = None) -> int:
+    """This process's node index from its launcher: torchrun's GROUP_RANK, SLURM's
+    SLURM_NODEID; -1 when neither says (the host name alone names the node then)."""
+    env = os.environ if environ is None else environ
+    for key in ("GROUP_RANK", "SLURM_NODEID"):
+        value = env.get(key, "")
+        if value.strip().isdigit():
+            return int(value)
+    return -1
+
+
+_NODE = launcher_node()
+
 _STEP_OR_TOP = frozenset(("step", *TOP_LEVEL))
 #: Ended steps whose CUDA timings are not in yet, kept at most.
 _MAX_WAITING = 256
@@ -137,6 +151,8 @@ class StepDraft:
     user: UserScalars
     #: (training thread, other threads) CPU seconds of the step; None: not measured.
     cpu: tuple[float, float] | None = None
+    #: perf_counter -> unix seconds on rank 0's clock, as the offset stood when it ended.
+    unix_offset: float = 0.0
 
     def ready(self, clock: Clock) -> bool:
         return (clock.ready(self.end) and self.phases.ready() and self.collectives.ready()
@@ -160,6 +176,7 @@ class StepRecorder:
         emit: Callable[[Callable[[], ev.StepEvent | None]], None],
         next_seq: Callable[[], int],
         gpu: GpuProbe | None = None,
+        mfu: flops.MfuMeter | None = None,
     ) -> None:
         self._adapter = adapter
         self._job = job
@@ -193,14 +210,14 @@ class StepRecorder:
         self._open: StepDraft | None = None
         self._waiting: list[StepDraft] = []
         self._model_state: dict[str, int] = {}
-        self._flops_per_token = flops.flops_per_token(
-            config.flops_params if config.flops_params is not None else job.param_count,
-            num_layers=config.num_layers,
-            hidden_size=config.hidden_size,
-            seq_len=config.seq_len,
-        )
-        # perf_counter -> unix seconds, for span and event timestamps.
-        self._unix_offset = time.time() - time.perf_counter()
+        #: MFU of a step from its tokens/s (attach.py builds it from the device and model).
+        self._mfu = mfu if mfu is not None else _hand_mfu(config, job, health)
+        # perf_counter -> unix seconds on rank 0's clock, for span and event timestamps.
+        self._host_unix = time.time() - time.perf_counter()
+        self.clock_offset_s = 0.0
+        self._unix_offset = self._host_unix
+        #: Estimates the offset again (over the job's group), every `clock_sync_every` steps.
+        self.resync_clock: Callable[[], float] | None = None
         self.steps_emitted = 0
         self._make_callbacks()
 
@@ -298,6 +315,12 @@ class StepRecorder:
         self._rebind_lists = rebind
         self._routes = (start_codes, end_codes, codes)
         self._long_way = True  # (the top-level phases' route now)
+
+    def set_clock_offset(self, offset_s: float) -> None:
+        """This host's clock minus rank 0's (`zerowatch.clocks`): every time sent from now
+        on (step ends, spans) is on rank 0's clock."""
+        self.clock_offset_s = float(offset_s)
+        self._unix_offset = self._host_unix - self.clock_offset_s
 
     def tidy(self) -> None:
         """Housekeeping on the shipper thread, at each of its wake-ups: the collective
@@ -424,6 +447,7 @@ class StepRecorder:
                 step=self._step, start=self._step_start, end=end, phases=phases,
                 collectives=window, offload=offload, offload_spans=offload_spans,
                 memory=memory, stats=stats, sampled=self._sampled, user=self._user, cpu=cpu,
+                unix_offset=self._unix_offset,
             )  # fmt: skip
             self._user = UserScalars()
             if self._open is not None:  # two step ends without a start between: keep both
@@ -432,6 +456,12 @@ class StepRecorder:
             self._step_start = None
         self._step += 1
         self._emit_ready()
+        every, done = self._cfg.clock_sync_every, self._step - self._job.global_step
+        if every and done % every == 0 and self.resync_clock is not None:
+            # Between two steps (not inside one's time), on every rank at the same step:
+            # the round trips are collectives of all ranks; their records are discarded
+            # with whatever else runs between steps.
+            self.set_clock_offset(self.resync_clock())
 
     def _emit_ready(self, *, force: bool = False) -> None:
         if len(self._waiting) > _MAX_WAITING:  # a device that never finishes: stay bounded
@@ -483,7 +513,7 @@ class StepRecorder:
         self._emit_ready(force=True)
 
     def _build(self, d: StepDraft, seq: int) -> ev.StepEvent:
-        clock, cfg, job = self._clock, self._cfg, self._job
+        clock, job = self._clock, self._job
         step_time = max(clock.seconds(d.start, d.end), 0.0)
         phases = d.phases.totals()
         top = sum(phases.get(p, 0.0) for p in TOP_LEVEL)
@@ -497,8 +527,8 @@ class StepRecorder:
         stats = d.stats if isinstance(d.stats, StepStats) else d.stats()
         nonfinite = stats.nonfinite or user.loss_nonfinite
         grad_norm = user.grad_norm if user.grad_norm is not None else stats.grad_norm
-        start_unix = clock.host_time(d.start) + self._unix_offset
-        end_unix = clock.host_time(d.end) + self._unix_offset
+        start_unix = clock.host_time(d.start) + d.unix_offset
+        end_unix = clock.host_time(d.end) + d.unix_offset
         collectives = d.collectives.stats()
         exposed = d.collectives.exposed_s
         # The time some collective was running (concurrent ones counted once) beyond what the
@@ -528,18 +558,19 @@ class StepRecorder:
             tokens=tokens,
             samples_per_s=samples_per_s,
             tokens_per_s=tokens_per_s,
-            mfu=flops.mfu(tokens_per_s, self._flops_per_token, cfg.peak_flops),
+            mfu=self._mfu(tokens_per_s, tokens / user.samples if user.samples else None),
             scalars=dict(user.other) if user.other else {},
             spans=self._spans(d, start_unix, step_time) if d.sampled else None,
             host=_HOST,
             local_rank=_LOCAL_RANK,
+            node=_NODE,
             thread_cpu_s=d.cpu[0] if d.cpu else None,
             other_cpu_s=d.cpu[1] if d.cpu else None,
             gpu=self.gpu.window(start_unix, end_unix),
         )
 
     def _spans(self, d: StepDraft, start_unix: float, step_time: float) -> list[ev.Span]:
-        off = self._unix_offset
+        off = d.unix_offset
         cap = self._cfg.max_spans_per_step
         # Positional arguments (name, cat, start, end, args): a sampled step builds hundreds
         # of spans on the training thread, and keywords cost a dataclass twice as much.
@@ -557,6 +588,18 @@ class StepRecorder:
                 span(f"offload_{direction}", "offload", t0 + off, t1 + off, {"bytes": nbytes})
             )  # fmt: skip
         return spans[:cap]
+
+
+def _hand_mfu(config: AgentConfig, job: JobInfo, health: AgentHealth) -> flops.MfuMeter:
+    """The MFU meter of what was given by hand: 6·N (+ 12·L·H·T) over `peak_flops`."""
+    model = flops.ModelFlops(
+        params=config.flops_params if config.flops_params is not None else job.param_count,
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        seq_len=config.seq_len,
+    )
+    return flops.MfuMeter(model=model, peak_flops=config.peak_flops,
+                          flops_per_token=config.flops_per_token, warn_once=health.warn_once)  # fmt: skip
 
 
 def _copy_function(
@@ -587,4 +630,4 @@ def _compute_in_one_thread() -> bool:
         return False
 
 
-__all__ = ["StepDraft", "StepRecorder", "UserScalars"]
+__all__ = ["StepDraft", "StepRecorder", "UserScalars", "launcher_node"]

@@ -15,6 +15,12 @@ events go behind it, so a rank's events reach the server in seq order; the serve
 (run, rank, seq) it already holds, so an event sent twice (a response lost after the server
 stored it) is stored once.
 
+One rank creates the run (`creates_run`: rank 0, as soon as its shipper starts); the
+others post to its id, and an answer that the run is not there yet (404) sends their events
+to the spool and the shipper back to probing, quietly, until it is. A rank that has seen
+its run missing for `join_timeout_s` (rank 0 gone, a server that lost its database)
+creates it itself, so a job of 4,096 ranks makes one POST /runs at start, not 4,096.
+
 A server that refuses the token (401/403) or the RunCreate gets nothing more from this
 process: events go to the spool, for `zerowatch upload` with the right token.
 
@@ -86,8 +92,15 @@ class Transport:
         retry_max_wait_s: float,
         http_timeout_s: float,
         rank: int = 0,
+        creates_run: bool = True,
+        join_timeout_s: float = 60.0,
     ) -> None:
         self.run_id = run_id
+        #: Whether this rank creates the run (rank 0), or joins the one another creates.
+        self.creates_run = creates_run
+        self._join_timeout = join_timeout_s
+        #: time.monotonic() when a joiner was first told its run is missing; None: it is not.
+        self._missing_since: float | None = None
         self._run_create = run_create
         self._client = client
         self.spool = spool
@@ -210,6 +223,8 @@ class Transport:
         # do not all post at the same instant, every interval (the server sees an even
         # stream of POSTs instead of world_size of them at once).
         wait = random.uniform(0.0, self._flush_interval)
+        if self.creates_run:
+            self._create_now()
         while True:
             stopping = self._stop.is_set()
             if not stopping:
@@ -280,10 +295,30 @@ class Transport:
             self._go_offline(e)
             self.stats.spooled += self.spool.append(lines, final=final)
 
+    def _create_now(self) -> None:
+        """Create the run before the first flush (the joiners' events wait for it)."""
+        if not self._network_ok() or self._offline:
+            return
+        try:
+            self._ensure_run()
+        except ServerUnavailable as e:
+            self._go_offline(e)
+
     def _ensure_run(self) -> None:
         if self._run_created:
             return
         assert self._client is not None
+        if not self.creates_run:
+            missing = self._missing_since
+            if missing is None or time.monotonic() - missing < self._join_timeout:
+                return  # rank 0 creates it
+            self._health.warn_once(
+                "join-timeout",
+                "zerowatch agent: run %s still missing on the server after %.0f s; "
+                "this rank creates it",
+                self.run_id,
+                self._join_timeout,
+            )
         try:
             self._client.create_run(self._run_create)
         except ServerRejected as e:
@@ -301,6 +336,8 @@ class Transport:
             )
         except RunNotFound:
             self._run_created = False  # the server lost it: create it again on the next try
+            if self._missing_since is None:
+                self._missing_since = time.monotonic()
             raise
         except PayloadTooLarge:
             if len(lines) == 1:
@@ -316,6 +353,7 @@ class Transport:
                 raise ServerUnavailable(str(e)) from e
             self._health.drop(len(lines), f"the server rejected a batch ({e})")
             return
+        self._missing_since = None
         self.stats.sent += len(lines)
         self.stats.accepted += res.accepted
         self.stats.duplicates += res.duplicates
@@ -331,7 +369,8 @@ class Transport:
         )
 
     def _go_offline(self, why: ServerUnavailable) -> None:
-        if not self._offline:
+        joining = isinstance(why, RunNotFound) and not self.creates_run
+        if not self._offline and not joining:  # (a joiner before rank 0's run: no news)
             self._health.warn_once(
                 "offline",
                 "zerowatch agent: server unavailable (%s); spooling events to %s and retrying "

@@ -74,6 +74,11 @@ SCALARS = {
     "loss_scale": ("loss_scale", "Dynamic loss scale (fp16)."),
     "samples_per_second": ("samples_per_s", "Samples per second of a rank."),
     "tokens_per_second": ("tokens_per_s", "Tokens per second of a rank."),
+    "mfu": (
+        "mfu",
+        "Model FLOPs utilisation of a rank: its model FLOP/s over its device's "
+        "peak; stat=mean is the job's.",
+    ),
     "memory_capacity": ("memory.capacity", "Memory capacity of a rank's device."),
     # GPU health (NVML, sampled by the agent; docs/gpu.md)
     "gpu_sm_clock_ratio": ("gpu.sm_clock_ratio", "SM clock of a rank's GPU over its maximum."),

@@ -161,6 +161,8 @@ def _summary(view: RunView) -> dict[str, str]:
         "steps": str(view.last_step + 1 if view.last_step >= 0 else 0),
         "step-time": th.fmt_seconds(run.get("step_time_s")),
         "samples": th.fmt_rate(run.get("samples_per_s"), ""),
+        "tokens": th.fmt_rate(run.get("tokens_per_s"), ""),
+        "mfu": f"{run['mfu']:.1%}" if run.get("mfu") is not None else "–",
         "exposed": f"{share:.0%}" if share is not None and math.isfinite(share) else "–",
         "peak": th.fmt_bytes(view.peak_bytes),
         "straggler": f"rank {found.rank} ({found.excess:+.0%})" if found else "none",
@@ -264,6 +266,8 @@ def run_page(run_id: str, db: DbDep, settings: SettingsDep) -> HTMLResponse:
         summary={
             "step_time_s": run.get("step_time_s"),
             "samples_per_s": run.get("samples_per_s"),
+            "tokens_per_s": run.get("tokens_per_s"),
+            "mfu": summary["mfu"],
             "exposed_share": summary["exposed"],
             "peak_bytes": view.peak_bytes,
             "straggler": summary["straggler"],

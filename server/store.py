@@ -571,7 +571,7 @@ def _bump_ranks(conn: Connection, st: _Statements, new: list[tuple[int, ev.StepE
         acc[1] = max(acc[1], e.step)
         acc[2] = max(acc[2], e.time)
         if e.host:
-            acc[3] = e.host
+            acc[3] = ev.node_key(e.host, e.node)
         if e.local_rank >= 0:
             acc[4] = e.local_rank
     if not per_rank:

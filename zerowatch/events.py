@@ -101,6 +101,13 @@ def bus_bandwidth_factor(op: str, world_size: int) -> float:
     return 1.0
 
 
+def node_key(host: str, node: int) -> str:
+    """The name a rank's node is stored and shown under: the host name, and the launcher's
+    node index after it where there is one ("gpu-a#3"), so that two containers with the same
+    host name on two nodes stay two nodes."""
+    return f"{host}#{node}" if node >= 0 else host
+
+
 def bucket_index(seconds: float) -> int:
     """Index of the histogram bucket (in LATENCY_BUCKETS, +Inf last) holding `seconds`."""
     for i, upper in enumerate(LATENCY_BUCKETS):
@@ -135,6 +142,7 @@ METRICS: Final = {
     "nonfinite": "zerowatch_nonfinite_steps_total",
     "samples_per_second": "zerowatch_samples_per_second",
     "tokens_per_second": "zerowatch_tokens_per_second",
+    "mfu": "zerowatch_mfu_ratio",
     "last_event": "zerowatch_run_last_event_timestamp_seconds",
     "run_info": "zerowatch_run_info",
     "run_running": "zerowatch_run_running",
@@ -393,6 +401,9 @@ class StepEvent:
     #: LOCAL_RANK), so ranks group by node. "" / -1 when unknown.
     host: str = ""
     local_rank: int = -1
+    #: The node's index from the launcher (torchrun's GROUP_RANK, SLURM_NODEID): the
+    #: node's identity, the host name its label (`node_key`); -1 when not launched so.
+    node: int = -1
     #: The rank's GPU during the step (NVML); None off a GPU, without NVML, or from agents
     #: that predate it.
     gpu: GpuTelemetry | None = None
@@ -484,4 +495,5 @@ __all__ = [
     "bucket_index",
     "bus_bandwidth_factor",
     "gpu_reason_names",
+    "node_key",
 ]

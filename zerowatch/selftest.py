@@ -29,7 +29,7 @@ prints one report:
    t1 - t0 (rank r can receive nothing before rank 0 sent it, rank 0 nothing before rank r
    sent it), so the midpoint ((t1 - t0) + (t2 - t3)) / 2 is within half the round trip
    ``(t3 - t0) - (t2 - t1)`` of the truth; of a few rounds, the one with the shortest round
-   trip is kept (NTP's rule).
+   trip is kept (NTP's rule; zerowatch/clocks.py, which the agent shares).
 
 Exit code: 0 when the engine check passes (and the report reached `--server` when one was
 given), 1 otherwise, on every rank; 2 for bad options.
@@ -61,6 +61,8 @@ from typing import Any
 import torch
 
 import zerowatch
+from zerowatch import clocks
+from zerowatch.clocks import clock_estimate
 from zerowatch.engine.comm import Comm, init_distributed
 from zerowatch.engine.hooks import ObserverRegistry
 from zerowatch.events import bus_bandwidth_factor
@@ -435,33 +437,15 @@ def _model_text(cfg: GPTConfig) -> str:
 # -- 4. clocks ------------------------------------------------------------------------------
 
 
-def clock_estimate(t0: float, t1: float, t2: float, t3: float) -> tuple[float, float]:
-    """(offset, round trip) of one round: rank r's clock minus rank 0's, within half the
-    round trip (t0, t3 read on rank 0; t1, t2 on rank r)."""
-    return ((t1 - t0) + (t2 - t3)) / 2, (t3 - t0) - (t2 - t1)
-
-
 def check_clocks(comm: Comm, opts: Options, hosts: list[str]) -> list[dict[str, Any]]:
     """Section 4 (on rank 0; other ranks get an empty list): each rank's offset from rank 0
-    from the round with the shortest round trip."""
-    rounds = []
-    for _ in range(opts.clock_rounds):
-        comm.barrier()
-        t0 = time.time()
-        comm.broadcast_object(None, src=0)
-        t1 = time.time()
-        t2 = time.time()
-        marks = comm.all_gather_object((t1, t2))
-        t3 = time.time()
-        rounds.append((t0, marks, t3))
-    if comm.rank != 0:
+    from the round with the shortest round trip (zerowatch.clocks)."""
+    table = clocks.measure(comm.broadcast_object, comm.all_gather_object, rank=comm.rank,
+                           rounds=opts.clock_rounds, barrier=comm.barrier)  # fmt: skip
+    if table is None:
         return []
-    rows = [{"rank": 0, "host": hosts[0], "offset_s": 0.0, "round_trip_s": 0.0}]
-    for r in range(1, comm.world_size):
-        estimates = [clock_estimate(t0, marks[r][0], marks[r][1], t3) for t0, marks, t3 in rounds]
-        offset, rtt = min(estimates, key=lambda e: e[1])
-        rows.append({"rank": r, "host": hosts[r], "offset_s": offset, "round_trip_s": rtt})
-    return rows
+    return [{"rank": r, "host": hosts[r], "offset_s": offset, "round_trip_s": rtt}
+            for r, (offset, rtt) in enumerate(table)]  # fmt: skip
 
 
 # -- the report -----------------------------------------------------------------------------

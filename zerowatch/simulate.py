@@ -37,6 +37,9 @@ class SimSpec:
     micro_batch: int = 8
     seq_len: int = 1024
     step_time_s: float = 0.5
+    #: The peak FLOP/s of a rank's device (e.g. 989.5e12, an H100 SXM in bf16): steps carry
+    #: their MFU, 6·num_params FLOPs a token; None: no MFU, as on a device not in the table.
+    peak_flops: float | None = None
     #: From this step on, step times are multiplied by `regress_factor`.
     regress_at: int | None = None
     regress_factor: float = 1.5
@@ -47,6 +50,9 @@ class SimSpec:
     grad_spike_at: int | None = None
     #: Ranks per host (torchrun's nproc_per_node): rank r runs on host r // ranks_per_host.
     ranks_per_host: int = 8
+    #: Events carry the launcher's node index (torchrun's GROUP_RANK: r // ranks_per_host),
+    #: as today's agents send it; False: host names alone, as older agents did.
+    node_ids: bool = False
     #: Every rank's steps carry GPU telemetry (events.GpuTelemetry, as the agent's NVML
     #: probe sends it): a healthy GPU unless named below. On when a GPU knob is set.
     gpu: bool = False
@@ -252,9 +258,15 @@ def step_event(spec: SimSpec, rank: int, step: int, *, t: float | None = None,
         tokens=samples * spec.seq_len,
         samples_per_s=samples / total,
         tokens_per_s=samples * spec.seq_len / total,
+        mfu=(
+            samples * spec.seq_len / total * 6 * spec.num_params / spec.peak_flops
+            if spec.peak_flops
+            else None
+        ),
         spans=spans,
         host=host_of(spec, rank),
         local_rank=rank % spec.ranks_per_host,
+        node=rank // spec.ranks_per_host if spec.node_ids else -1,
         gpu=gpu_telemetry(spec, rank, step),
     )
 

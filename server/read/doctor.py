@@ -17,7 +17,8 @@ steps, not ranks, then hands it to the checks (doctor_checks.py, one function pe
 
 A 4,096-rank run costs what a 2-rank run does, bar the ranks' names. Each finding is
 {"kind", "severity", "ranks", "steps": [first, last], "message", "suggestion", "evidence",
-"prediction"}; the list is most severe first.
+"prediction"}; the list is most severe first. Beside them, the answer's "throughput" holds the
+job's tokens/s and MFU over the window (None where unknown).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def findings(
     return {
         "run_id": run_id,
         "window": list(evidence.window),
+        "throughput": {"tokens_per_s": evidence.tokens_per_s, "mfu": evidence.mfu},
         "findings": [f.to_dict() for f in found],
     }
 

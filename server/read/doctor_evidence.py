@@ -19,7 +19,7 @@ from zerowatch import events as ev
 
 #: Performance metrics read over the window: these names, and every name under a prefix.
 PERF_NAMES = ("step_time_s", "busy_s", "exposed_comm_s", "hidden_comm_s", "thread_cpu_s",
-              "other_cpu_s")  # fmt: skip
+              "other_cpu_s", "mfu", "tokens_per_s")  # fmt: skip
 PERF_PREFIXES = ("phase.", "part.", "collective.", "offload.", "memory.")
 SIGNAL_NAMES = ("loss_scale", "skipped", "nonfinite", "grad_norm", "offload.d2h.bandwidth",
                 "offload.h2d.bandwidth")  # fmt: skip
@@ -57,6 +57,21 @@ class Evidence:
         """The median over the window's steps of one statistic of a metric."""
         per = (self.signals if signals else self.perf).get(name) or {}
         vals = [st.get(stat) for st in per.values()]
+        return statistics.median(vals) if vals else None
+
+    @property
+    def mfu(self) -> float | None:
+        """The job's MFU over the window: the median over its steps of the mean over ranks
+        (each rank reports its share: its model FLOP/s over its device's peak); None where
+        no rank knew its device's peak or its model's FLOPs."""
+        return self.median("mfu", "mean")
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """The job's tokens/s over the window: the median over its steps of the sum over
+        ranks."""
+        per = self.perf.get("tokens_per_s") or {}
+        vals = [st.mean * st.n for st in per.values()]
         return statistics.median(vals) if vals else None
 
     def names(self, prefix: str) -> list[str]:

@@ -170,14 +170,17 @@ def recent(conn: Connection, pk: int, *, recent_steps: int) -> dict[str, Any]:
 
     step_time_s: median over those steps of the per-step median over ranks;
     samples_per_s / tokens_per_s: median over those steps of the job's throughput (the sum
-    over ranks, mean x n); exposed_comm_s, busy_s: medians of the per-step medians.
+    over ranks, mean x n); mfu: median over those steps of the mean over ranks (the job's
+    model FLOP/s over its devices' peak: each rank reports its own share); exposed_comm_s,
+    busy_s: medians of the per-step medians.
     """
     steps = rollups.newest_steps(conn, pk, "step_time_s", recent_steps)
     out: dict[str, Any] = {"step_time_s": None, "samples_per_s": None, "tokens_per_s": None,
-                           "exposed_comm_s": None, "busy_s": None, "steps": steps}  # fmt: skip
+                           "mfu": None, "exposed_comm_s": None, "busy_s": None,
+                           "steps": steps}  # fmt: skip
     if not steps:
         return out
-    names = ["step_time_s", "exposed_comm_s", "busy_s", "samples_per_s", "tokens_per_s"]
+    names = ["step_time_s", "exposed_comm_s", "busy_s", "samples_per_s", "tokens_per_s", "mfu"]
     got = rollups.read(conn, pk, names, steps_in=steps)
     for name in ("step_time_s", "exposed_comm_s", "busy_s"):
         vals = [st.p50 for st in got[name].values()]
@@ -185,6 +188,8 @@ def recent(conn: Connection, pk: int, *, recent_steps: int) -> dict[str, Any]:
     for name in ("samples_per_s", "tokens_per_s"):
         vals = [st.mean * st.n for st in got[name].values()]
         out[name] = statistics.median(vals) if vals else None
+    mfu = [st.mean for st in got["mfu"].values()]
+    out["mfu"] = statistics.median(mfu) if mfu else None
     return out
 
 
@@ -221,6 +226,8 @@ def full_run(
     run["recent"] = rec
     run["step_time_s"] = rec["step_time_s"]
     run["samples_per_s"] = rec["samples_per_s"]
+    run["tokens_per_s"] = rec["tokens_per_s"]
+    run["mfu"] = rec["mfu"]
     return run
 
 

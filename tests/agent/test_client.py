@@ -111,7 +111,9 @@ def test_posts_share_one_connection_and_carry_the_token_and_headers(server: _Ser
     assert headers["Content-Type"] == "application/json"
     assert headers["User-Agent"].startswith("zerowatch-agent/")
     path, headers, sent, _ = server.requests[-1]
-    assert path == "/api/v1/runs" and sent == b"{}" and "Content-Encoding" not in headers
+    # The run's creation is compressed as event batches are.
+    assert path == "/api/v1/runs" and gzip.decompress(sent) == b"{}"
+    assert headers["Content-Encoding"] == "gzip"
     assert headers["Authorization"] == "Bearer s3cret"
 
 

@@ -189,7 +189,8 @@ def test_run_create_is_spooled_with_the_job_description(fake_engine, spool_root)
     assert rc["world_size"] == 2 and rc["zero_stage"] == 2 and rc["param_count"] == 1000
     assert rc["theory"] == fake_engine.theory().flat()
     assert rc["theory_comm"] == {"reduce_scatter": 4000, "all_gather": 4000}
-    assert rc["hosts"] and rc["torch_version"] and rc["zerowatch_version"]
+    # No host list: each rank's events name its own host and node.
+    assert rc["hosts"] == [] and rc["torch_version"] and rc["zerowatch_version"]
     assert math.isclose(rc["started_at"], run._transport.spool.run_dir.stat().st_mtime, abs_tol=60)
     assert Path(run.spool_path).parent == spool_root
 

@@ -16,7 +16,8 @@ The events are zerowatch.simulate's, made cheaply: each rank's event is built on
 written for every step with its step, seq and time changed (bytes for the spool, a copied
 dataclass for the live events), so that a thousand ranks of five minutes of steps are
 written in seconds. `client_factory` lets a test wrap the HTTP client (to record what it
-sent and when).
+sent and when). `run_creator=0` has rank 0 alone create the run, as the agent does; by
+default every rank creates it, as agents did before.
 """
 
 from __future__ import annotations
@@ -55,8 +56,13 @@ AGENT_DEFAULTS: dict[str, Any] = {
 }
 
 
-def run_create_json(spec: simulate.SimSpec, run_id: str) -> bytes:
-    return codec.dumps(codec.to_dict(simulate.run_create(spec, run_id)))
+def run_create_json(spec: simulate.SimSpec, run_id: str, *, hosts: bool = True) -> bytes:
+    """The RunCreate's JSON; `hosts=False`: without the host list, as today's agent sends
+    it (its ranks' events name their hosts)."""
+    rc = simulate.run_create(spec, run_id)
+    if not hosts:
+        rc.hosts = []
+    return codec.dumps(codec.to_dict(rc))
 
 
 class _Lines:
@@ -137,6 +143,7 @@ class SimAgents:
         spool_root: Path,
         next_step: int = 0,
         client_factory: Callable[..., IngestClient] = IngestClient,
+        run_creator: int | None = None,
         **agent: Any,
     ) -> None:
         cfg = {**AGENT_DEFAULTS, **agent}
@@ -147,7 +154,7 @@ class SimAgents:
         self.healths: list[AgentHealth] = []
         self._templates: list[ev.StepEvent] = []
         run_dir = Path(spool_root) / run_id
-        create = run_create_json(spec, run_id)
+        create = run_create_json(spec, run_id, hosts=run_creator is None)
         for rank in ranks:
             health = AgentHealth()
             client = client_factory(
@@ -171,6 +178,7 @@ class SimAgents:
                     retry_max_wait_s=cfg["retry_max_wait_s"],
                     http_timeout_s=cfg["http_timeout_s"],
                     rank=rank,
+                    creates_run=run_creator is None or rank == run_creator,
                 )
             )
             self.healths.append(health)
@@ -231,8 +239,12 @@ class RecordingClient(IngestClient):
         super().__init__(*args, **kwargs)
         #: (started, ended, status, retry_after_s) per POST of events.
         self.posts: list[tuple[float, float, int, float | None]] = []
+        #: The bodies of its POSTs of a run (as sent: gzip).
+        self.creations: list[bytes] = []
 
     def _post(self, path: str, **kw: Any) -> httpx.Response:
+        if path == "/api/v1/runs":
+            self.creations.append(kw["content"])
         t0 = time.monotonic()
         try:
             resp = super()._post(path, **kw)
