@@ -62,8 +62,9 @@ from zerowatch.examples.gpt import random_batch  # noqa: E402
 TOLERANCE = 1e-4
 #: Each rank's collective timeout in the two-process cases (a refused op must not hang).
 RANK_TIMEOUT_S = 120.0
-#: The `gpu` tests' limit, so that the table comes within make gpu-check's 470 s.
-PYTEST_TIMEOUT_S = 300.0
+#: The `gpu` tests' limit, so that the table comes within make gpu-check's 330 s (the
+#: agent's overhead benchmark follows it within the 8 minutes).
+PYTEST_TIMEOUT_S = 200.0
 OFFLOADS: dict[int, list[tuple[str, ...]]] = {
     0: [()], 1: [(), ("offload_optimizer",)], 2: [(), ("offload_optimizer",)],
     3: [(), ("offload_optimizer",), ("offload_param",), ("offload_optimizer", "offload_param")],
