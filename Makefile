@@ -61,7 +61,7 @@ GPU_SITE ?= /tmp/zerowatch-gpu-site
 # h11, click, uvloop, prometheus-client, narwhals, typing-extensions are there).
 GPU_WHEEL_PACKAGES := tenacity orjson zlib-ng fastapi starlette uvicorn sqlalchemy greenlet \
 	alembic mako plotly pydantic pydantic-core annotated-types typing-inspection msgspec \
-	swagger-ui-bundle-v2 opentelemetry-api
+	swagger-ui-bundle-v2 opentelemetry-api nvidia-ml-py
 GPU_PLATFORMS := $(foreach n,17 24 27 28 31 34 35,--platform manylinux_2_$(n)_x86_64) \
 	--platform manylinux2014_x86_64 --platform manylinux1_x86_64
 
