@@ -20,6 +20,7 @@ import hashlib
 import itertools
 import os
 import re
+import socket
 import sys
 import time
 import uuid
@@ -31,9 +32,10 @@ from zerowatch.agent.adapters import EngineAdapter, JobInfo, select_adapter
 from zerowatch.agent.client import IngestClient
 from zerowatch.agent.config import AgentConfig
 from zerowatch.agent.errors import AgentHealth
+from zerowatch.agent.heartbeat import HeartbeatSource
 from zerowatch.agent.probes import CudaClock, CudaMemoryProbe, HostClock, MemoryProbe
 from zerowatch.agent.probes.gpu import DeviceIdentity, device_identity, gpu_probe
-from zerowatch.agent.recorder import StepRecorder
+from zerowatch.agent.recorder import StepRecorder, launcher_node
 from zerowatch.agent.run import Run
 from zerowatch.agent.spool import Spool
 from zerowatch.agent.transport import Transport
@@ -294,6 +296,9 @@ def instrument(
         next_seq=lambda: next(seq),
     )  # fmt: skip
     transport.every_wake(recorder.tidy)
+    beat = HeartbeatSource(recorder, config, rank=job.rank, host=socket.gethostname(),
+                           node=launcher_node())  # fmt: skip
+    transport.heartbeat(beat.body, config.heartbeat_interval(job.world_size))
     transport.start()
     gpu.start()
     adapter.attach(recorder)

@@ -217,6 +217,7 @@ class _WaitHonouringRetryAfter(tenacity.wait.wait_base):
 
 
 _EVENTS_HEADERS = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+_JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 class IngestClient:
@@ -305,6 +306,12 @@ class IngestClient:
             return IngestResult(int(body.get("accepted", 0)), int(body.get("duplicates", 0)))
         except (ValueError, AttributeError, TypeError):
             return IngestResult(0, 0)
+
+    def post_heartbeat(self, run_id: str, body: bytes) -> None:
+        """POST one HeartbeatBatch JSON body, once (a lost heartbeat is replaced by the
+        next: no retries, no spool)."""
+        self._post(f"/api/v1/runs/{run_id}/heartbeats", missing_run_is_transient=True,
+                   content=body, headers=_JSON_HEADERS)  # fmt: skip
 
     def close(self) -> None:
         if isinstance(self._http, urllib3.PoolManager):

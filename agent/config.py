@@ -17,6 +17,8 @@ JOB_POSTS_PER_S = 256.0
 #: step waits on a rank before it is sent.
 MIN_FLUSH_INTERVAL_S = 2.0
 MAX_FLUSH_INTERVAL_S = 30.0
+#: The longest time between two heartbeats by default: a hang is named within a minute.
+MAX_HEARTBEAT_INTERVAL_S = 15.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +94,15 @@ class AgentConfig:
     the GPU at LOCAL_RANK."""
     gpu_sample_interval_s: float = 1.0
     """Seconds between two NVML samples."""
+    heartbeat_interval_s: float | None = None
+    """How often the shipper thread sends the rank's heartbeat (its last step, phase and
+    flight recorder, agent/heartbeat.py), whatever the training thread does. None: the
+    flush interval, between 2 and `MAX_HEARTBEAT_INTERVAL_S` seconds."""
+    stall_floor_s: float = 10.0
+    """A rank is stalled (its heartbeat carries the training thread's stack) once it has not
+    finished a step for `stall_factor` times its median step time, and at least this long."""
+    stall_factor: float = 5.0
+    """See `stall_floor_s`."""
 
     def __post_init__(self) -> None:
         positive_ints = ("max_spans_per_step", "memory_every", "queue_size", "batch_max_events",
@@ -105,9 +116,10 @@ class AgentConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{key}: expected an integer >= 0, got {value!r}")
         for key in ("flush_interval_s", "http_timeout_s", "retry_max_wait_s",
-                    "close_timeout_s", "fsync_interval_s", "gpu_sample_interval_s"):  # fmt: skip
+                    "close_timeout_s", "fsync_interval_s", "gpu_sample_interval_s",
+                    "heartbeat_interval_s", "stall_floor_s", "stall_factor"):  # fmt: skip
             value = getattr(self, key)
-            if value is None and key == "flush_interval_s":
+            if value is None and key in ("flush_interval_s", "heartbeat_interval_s"):
                 continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"{key}: expected a number of seconds > 0, got {value!r}")
@@ -139,6 +151,13 @@ class AgentConfig:
         wanted = max(int(world_size), 1) / JOB_POSTS_PER_S
         return min(max(wanted, MIN_FLUSH_INTERVAL_S), MAX_FLUSH_INTERVAL_S)
 
+    def heartbeat_interval(self, world_size: int) -> float:
+        """Seconds between two heartbeats of a rank (`heartbeat_interval_s`)."""
+        if self.heartbeat_interval_s is not None:
+            return float(self.heartbeat_interval_s)
+        return min(max(self.flush_interval(world_size), MIN_FLUSH_INTERVAL_S),
+                   MAX_HEARTBEAT_INTERVAL_S)  # fmt: skip
+
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> AgentConfig:
         """Build from `instrument(**kw)`; an unknown key is a TypeError with a did-you-mean."""
@@ -151,4 +170,5 @@ class AgentConfig:
         return cls(**kwargs)
 
 
-__all__ = ["JOB_POSTS_PER_S", "MAX_FLUSH_INTERVAL_S", "MIN_FLUSH_INTERVAL_S", "AgentConfig"]
+__all__ = ["JOB_POSTS_PER_S", "MAX_FLUSH_INTERVAL_S", "MAX_HEARTBEAT_INTERVAL_S",
+           "MIN_FLUSH_INTERVAL_S", "AgentConfig"]  # fmt: skip

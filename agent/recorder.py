@@ -67,6 +67,7 @@ from zerowatch.agent.probes import (
     PhaseTimer,
     PhaseWindow,
 )
+from zerowatch.agent.probes.flight import FlightRecorder
 from zerowatch.agent.probes.gpu import GpuProbe, NullGpuProbe
 
 from zerowatch import events as ev
@@ -74,6 +75,11 @@ from zerowatch import events as ev
 #: Where this process runs (torchrun sets LOCAL_RANK): ranks group by node on the server.
 _HOST = socket.gethostname()
 _LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "-1") or -1)
+#: A step's draft waits this long after its end for `run.log()` values, then the shipper
+#: sends it even though the next step has not begun (a rank stuck before it).
+_OPEN_DRAFT_S = 1.0
+#: Step durations kept for the heartbeat's stall threshold.
+_STEP_TIMES_KEPT = 32
 
 
 def launcher_node(environ: dict[str, str] | None = None) -> int:
@@ -219,6 +225,17 @@ class StepRecorder:
         #: Estimates the offset again (over the job's group), every `clock_sync_every` steps.
         self.resync_clock: Callable[[], float] | None = None
         self.steps_emitted = 0
+        #: The last collectives of each process group (the heartbeat's evidence of a hang).
+        self.flight = FlightRecorder()
+        #: The engine announces each collective before it can block: straight to the ring.
+        self.on_collective_launch = self.flight.on_collective_launch
+        #: perf_counter when the last step ended (or the recorder started), its number, and
+        #: the durations of the last steps (the stall threshold follows them).
+        self.last_step_end = time.perf_counter()
+        self.last_step: int | None = None
+        self.step_times: list[float] = []
+        self._step_t0 = 0.0
+        self._open_at = 0.0
         self._make_callbacks()
 
     # -- engine callbacks (training thread; collectives maybe another) -----------------
@@ -294,10 +311,14 @@ class StepRecorder:
 
         collectives = self._collectives
 
-        def on_collective(record: Any, pending: list[Any] = collectives.pending) -> None:
+        flight_done = self.flight.on_collective
+
+        def on_collective(record: Any, pending: list[Any] = collectives.pending,
+                          done: Callable[[Any], None] = flight_done) -> None:  # fmt: skip
             # One append: the aggregator's bound on a long step is checked on the shipper
-            # thread (`tidy`), not here.
+            # thread (`tidy`), not here. The flight recorder marks the call completed.
             pending.append(record)
+            done(record)
 
         def rebind() -> None:
             """Point the callbacks at the probes' lists again: taking a step on the host
@@ -307,7 +328,7 @@ class StepRecorder:
             on_phase_start.__defaults__ = (defaults[0], log, *defaults[2:])
             defaults = on_phase_end.__defaults__ or ()
             on_phase_end.__defaults__ = (defaults[0], log, *defaults[2:])
-            on_collective.__defaults__ = (collectives.pending,)
+            on_collective.__defaults__ = (collectives.pending, flight_done)
 
         self.on_phase_start = on_phase_start
         self.on_phase_end = on_phase_end
@@ -325,8 +346,43 @@ class StepRecorder:
     def tidy(self) -> None:
         """Housekeeping on the shipper thread, at each of its wake-ups: the collective
         records of a step (or of the time between steps) that have piled up past the
-        aggregator's bound are folded (the training thread's callback only appends)."""
+        aggregator's bound are folded (the training thread's callback only appends); a
+        step that ended `_OPEN_DRAFT_S` ago and whose next step has not begun (a rank
+        stuck in its data loader) is sent without waiting for that start."""
         self._collectives.fold_if_full()
+        if self._open is None or not self._later:
+            return
+        with self._lock:
+            draft = self._open
+            if (draft is None or self._waiting
+                    or time.perf_counter() - self._open_at < _OPEN_DRAFT_S):  # fmt: skip
+                return
+            self._open = None
+            self._emit_one(draft)
+
+    def phase_now(self) -> str:
+        """The phase the training thread is in (read from another thread: the innermost
+        boundary logged last), "step" inside a step between phases, "between_steps"."""
+        if self._step_start is None:
+            return "between_steps"
+        log, base = self._timer.log, self._timer.base
+        try:
+            if len(log) >= base + 2:
+                code = log[-2]
+                if isinstance(code, int) and code % 2 == 0:
+                    return str(self._timer.codes.names[code // 2])
+        except (IndexError, TypeError):  # the list changed under us: no worse than "step"
+            pass
+        return "step"
+
+    def stalled_for(self, now: float | None = None) -> float:
+        """Seconds since this rank last finished a step (since the recorder started, before
+        its first)."""
+        return (time.perf_counter() if now is None else now) - self.last_step_end
+
+    def unix_of(self, t: float) -> float:
+        """A perf_counter reading as unix seconds on rank 0's clock."""
+        return t + self._unix_offset
 
     def _route_top_level(self, long_way: bool) -> None:
         """Send the top-level phases' boundaries the long way (`_other_phase_*`: memory
@@ -409,6 +465,7 @@ class StepRecorder:
         self._collectives.sample_next(self._sampled)
         self._offload.sample_next(self._sampled)
         self._step_start = self._clock.mark(t)
+        self._step_t0 = t
         if self._cpu_clocks:
             self._cpu_start = (time.thread_time(), time.process_time())
 
@@ -453,7 +510,13 @@ class StepRecorder:
             if self._open is not None:  # two step ends without a start between: keep both
                 self._waiting.append(self._open)
             self._open = draft
+            self._open_at = t
             self._step_start = None
+        times = self.step_times
+        times.append(t - self._step_t0)
+        if len(times) > _STEP_TIMES_KEPT:
+            del times[0]
+        self.last_step, self.last_step_end = self._step, t
         self._step += 1
         self._emit_ready()
         every, done = self._cfg.clock_sync_every, self._step - self._job.global_step

@@ -123,6 +123,10 @@ class Transport:
         self._backoff = 0.0
         self.stats = TransportStats()
         self._on_wake: list[Callable[[], None]] = []
+        #: The heartbeat's body builder and interval (`heartbeat`), and when it is next due.
+        self._heartbeat: Callable[[], bytes] | None = None
+        self._heartbeat_every = 0.0
+        self._next_heartbeat = 0.0
         self._thread = threading.Thread(
             target=self._main, name=f"zerowatch-shipper-rank{rank}", daemon=True
         )
@@ -137,6 +141,11 @@ class Transport:
         """Call `fn` on the shipper thread at each of its wake-ups (before it ships; an
         error is counted, never raised). Call before `start`."""
         self._on_wake.append(fn)
+
+    def heartbeat(self, body: Callable[[], bytes], interval_s: float) -> None:
+        """Send `body()` (a HeartbeatBatch) every `interval_s`, once, without retries or
+        spool (the next one replaces a lost one). Call before `start`."""
+        self._heartbeat, self._heartbeat_every = body, interval_s
 
     def submit(self, event: Any) -> None:
         """Hand one event (or a callable that builds it, called on the shipper thread) to
@@ -222,7 +231,7 @@ class Transport:
         # The first wake-up at a random point of the interval: ranks that started together
         # do not all post at the same instant, every interval (the server sees an even
         # stream of POSTs instead of world_size of them at once).
-        wait = random.uniform(0.0, self._flush_interval)
+        wait = random.uniform(0.0, min(self._flush_interval, self._heartbeat_every or 1e9))
         if self.creates_run:
             self._create_now()
         while True:
@@ -230,17 +239,38 @@ class Transport:
             if not stopping:
                 stopping = self._stop.wait(wait)  # close() wakes it early
             wait = self._flush_interval
+            if self._heartbeat is not None:
+                wait = min(wait, self._heartbeat_every)
             for fn in self._on_wake:
                 try:
                     fn()
                 except Exception as e:
                     self._health.error("the shipper's housekeeping", e)
             self._drain_queue()
+            # At close, one last (its flight recorder as the run ends: a collective that
+            # failed stays launched in it).
+            self._send_heartbeat(force=stopping)
             if self._offline and self.spool.pending:
                 self._replay()
             if stopping and not self._q:
                 self._drain_spool()
                 return
+
+    def _send_heartbeat(self, *, force: bool = False) -> None:
+        """The rank's heartbeat, when due (or `force`) and the server is there (after the
+        queue: the steps it names are sent first)."""
+        now = time.monotonic()
+        if self._heartbeat is None or (now < self._next_heartbeat and not force):
+            return
+        self._next_heartbeat = now + self._heartbeat_every
+        if self._client is None or self._offline or not self._network_ok():
+            return
+        try:
+            self._client.post_heartbeat(self.run_id, self._heartbeat())
+        except (ServerUnavailable, ServerRejected):
+            pass  # the next one goes out in an interval; events carry the rest
+        except Exception as e:
+            self._health.error("sending a heartbeat", e)
 
     def _drain_queue(self) -> None:
         """Ship everything queued, in batches of at most `batch_max_events`."""

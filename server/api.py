@@ -10,7 +10,7 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
-from zerowatch.server import read, store
+from zerowatch.server import heartbeats, read, store
 from zerowatch.server.body import BodyRoute
 from zerowatch.server.deps import DbDep, SettingsDep, require_read, require_write
 from zerowatch.server.read import compare as compare_read
@@ -184,6 +184,19 @@ async def ingest(run_id: RunId, batch: ev.EventBatch, request: Request) -> JSONR
         result = await request.app.state.ingestor.submit_async(run_id=run_id, batch=batch)
     result = _found(result, run_id)
     return JSONResponse({"accepted": result.accepted, "duplicates": result.duplicates})
+
+
+@router.post(
+    "/runs/{run_id}/heartbeats",
+    dependencies=Write,
+    tags=["ingest"],
+    responses={404: {"description": "unknown run"}},
+)
+def heartbeat(run_id: RunId, batch: ev.HeartbeatBatch, db: DbDep) -> dict[str, Any]:
+    """Keep each rank's newest heartbeat (its last step, phase, collectives, stack)."""
+    with _refused():
+        stored = heartbeats.store_heartbeats(db, run_id=run_id, batch=batch)
+    return {"stored": _found(stored, run_id)}
 
 
 # -- reads --------------------------------------------------------------------------------

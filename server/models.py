@@ -26,6 +26,9 @@ storage is the *rank-step*, never the individual collective call:
 - `fresh_blocks`: with several server processes, the metric columns of fresh rank-steps
   that one process converted for another's compactor (read/fresh.py), a row per group of
   rank-steps; a cache in the database, deleted once that compactor has taken it.
+- `heartbeats`: the newest heartbeat of each rank (its last step, phase, flight recorder and,
+  once stalled, its training thread's stack), replaced as they come: what the hang and
+  desync findings read (read/forensics.py).
 - `run_totals`: per run, running totals the compactor keeps by deltas (steps skipped or
   non-finite, the latency histogram of each collective op summed over ranks): /metrics
   reads them in one query whatever the run's length.
@@ -268,6 +271,20 @@ class RunTotal(Base):
     buckets: Mapped[list[Any]] = mapped_column(JSON)
 
 
+class RankHeartbeat(Base):
+    """The newest heartbeat of each rank (events.Heartbeat, agent/heartbeat.py): replaced by
+    each one that arrives; the collective forensics read them (read/forensics.py)."""
+
+    __tablename__ = "heartbeats"
+
+    run: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    #: Server time it arrived (a rank whose heartbeats stopped is silent).
+    received_at: Mapped[float] = mapped_column(Float)
+    #: The heartbeat as sent (JSON).
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
 runs = Run.__table__
 run_tags = RunTag.__table__
 rank_states = RankState.__table__
@@ -278,12 +295,14 @@ step_rollups = StepRollup.__table__
 dirty_steps = DirtyStep.__table__
 fresh_blocks = FreshBlock.__table__
 run_totals = RunTotal.__table__
+heartbeats = RankHeartbeat.__table__
 
 __all__ = [
     "Base",
     "Collective",
     "DirtyStep",
     "FreshBlock",
+    "RankHeartbeat",
     "RankState",
     "Run",
     "RunTag",
@@ -294,6 +313,7 @@ __all__ = [
     "collectives",
     "dirty_steps",
     "fresh_blocks",
+    "heartbeats",
     "rank_states",
     "run_tags",
     "run_totals",

@@ -200,7 +200,7 @@ def delete_run(db: Database, *, run_id: str) -> bool:
             return False
         for table in (
             m.spans, m.collectives, m.steps, m.rank_states, m.run_tags, m.step_rollups,
-            m.dirty_steps, m.run_totals, m.fresh_blocks,
+            m.dirty_steps, m.run_totals, m.fresh_blocks, m.heartbeats,
         ):  # fmt: skip
             conn.execute(delete(table).where(table.c.run == ref.pk))
         conn.execute(delete(m.runs).where(m.runs.c.id == ref.pk))

@@ -83,7 +83,7 @@ LATENCY_BUCKETS: Final = (
 #: Model-state kinds, as in the ZeRO paper; theory.py and the engine use the same keys.
 STATE_KINDS: Final = ("params", "grads", "optimizer_states", "master_weights")
 
-RunStatus = Literal["running", "finished", "failed", "stalled"]
+RunStatus = Literal["running", "finished", "failed", "crashed", "stalled"]
 Precision = Literal["fp32", "bf16", "fp16"]
 OffloadDevice = Literal["none", "cpu"]
 
@@ -407,6 +407,14 @@ class StepEvent:
     #: The rank's GPU during the step (NVML); None off a GPU, without NVML, or from agents
     #: that predate it.
     gpu: GpuTelemetry | None = None
+    #: On a step with a non-finite loss or gradient (and the step after it), where it came
+    #: from on this rank (docs/forensics.md): {"local_grad_norm": this rank's gradient norm
+    #: before the reduction (None: not finite), "nonfinite_params": the parameters whose
+    #: local gradients were not finite, earliest in forward order first, "first_module":
+    #: the module of the first of them, "forward_module": the first module whose forward
+    #: output was not finite (traced on a step after a flagged one), "batch_ids": what
+    #: `run.log(batch_ids=...)` gave}. None on every other step.
+    forensics: dict[str, Any] | None = None
     kind: Literal["step"] = "step"
 
 
@@ -417,8 +425,12 @@ class EndEvent:
     rank: int
     seq: int
     time: float
-    status: Literal["finished", "failed"]
+    status: Literal["finished", "failed", "crashed"]
     error: str | None = None
+    #: "crashed": what left the engine or the instrumented block (docs/forensics.md):
+    #: {"type", "message", "stack", "step", "phase", "oom": bool, "memory": the rank's
+    #: memory waterfall at that moment (out-of-memory errors only)}.
+    crash: dict[str, Any] | None = None
     #: Agent health: events dropped because the spool was full, agent errors swallowed.
     dropped_events: int = 0
     agent_errors: int = 0
@@ -461,6 +473,61 @@ class RunCreate:
 
 
 @dataclass
+class Frame:
+    """One frame of a Python stack: where a thread is."""
+
+    file: str
+    function: str
+    line: int
+
+
+@dataclass
+class GroupFlight:
+    """A rank's view of one process group's collectives (its flight recorder)."""
+
+    #: Number of the last collective this rank issued on the group (1, 2, ...: the same
+    #: collective has the same number on every rank), and of the last that completed.
+    launched: int = 0
+    completed: int = 0
+    #: The newest calls, oldest first: [seq, op, elements, dtype, "launched" | "completed",
+    #: launched at, completed at or None] (unix seconds on rank 0's clock).
+    calls: list[list[Any]] = field(default_factory=list)
+
+
+@dataclass
+class Heartbeat:
+    """Sent by a rank's shipper thread every few seconds, whatever its training thread does
+    (`POST /api/v1/runs/{run_id}/heartbeats`, not an event: the server keeps the newest of
+    each rank). The collective forensics (docs/forensics.md) read it."""
+
+    rank: int
+    #: When it was sent (unix seconds, rank 0's clock).
+    time: float
+    #: The last step this rank finished, and when (None: none yet).
+    last_step: int | None = None
+    last_step_end: float | None = None
+    #: Where the training thread is: a phase, "step" (inside a step, between phases) or
+    #: "between_steps".
+    phase: str = "between_steps"
+    #: Seconds since the rank last finished a step, and the rank's stall threshold.
+    stalled_s: float = 0.0
+    stall_after_s: float = 0.0
+    #: Per process group name, the rank's flight recorder.
+    groups: dict[str, GroupFlight] = field(default_factory=dict)
+    #: The training thread's innermost frames, innermost first, once it has stalled.
+    stack: list[Frame] | None = None
+    host: str = ""
+    node: int = -1
+
+
+@dataclass
+class HeartbeatBatch:
+    """One POST of heartbeats (a rank sends its own; a simulator many)."""
+
+    heartbeats: list[Heartbeat]
+
+
+@dataclass
 class EventBatch:
     """One POST of events for one run; ranks may be mixed, order within a rank is by seq."""
 
@@ -486,7 +553,11 @@ __all__ = [
     "EndEvent",
     "Event",
     "EventBatch",
+    "Frame",
     "GpuTelemetry",
+    "GroupFlight",
+    "Heartbeat",
+    "HeartbeatBatch",
     "MemoryStats",
     "OffloadStats",
     "RunCreate",

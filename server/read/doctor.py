@@ -23,12 +23,14 @@ job's tokens/s and MFU over the window (None where unknown).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from sqlalchemy import select
 from zerowatch.server import models as m
 from zerowatch.server.db import Database
-from zerowatch.server.read import runs
+from zerowatch.server.heartbeats import read_heartbeats
+from zerowatch.server.read import forensics, runs
 from zerowatch.server.read.doctor_checks import SEVERITIES, Finding, run_checks
 from zerowatch.server.read.doctor_evidence import gather
 from zerowatch.server.read.doctor_settings import DoctorSettings
@@ -51,9 +53,13 @@ def findings(
             return None
         run = runs.run_dict(row, now=0.0, stalled_after_s=float("inf"))
         evidence = gather(conn, int(row.id), run, settings)
+        # (A failed run's last heartbeats say which collectives the ranks were in.)
+        beats = read_heartbeats(conn, int(row.id)) if row.status != "finished" else []
+    # Hangs and desyncs come from the ranks' heartbeats (read/forensics.py), steps or not.
+    stuck = forensics.findings(beats, world_size=int(row.world_size), now=time.time())
     if evidence is None:
-        return {"run_id": run_id, "window": None, "findings": []}
-    found = order(run_checks(evidence, settings))
+        return {"run_id": run_id, "window": None, "findings": [f.to_dict() for f in stuck]}
+    found = order(stuck + run_checks(evidence, settings))
     return {
         "run_id": run_id,
         "window": list(evidence.window),

@@ -14,7 +14,11 @@ parameter owners never touch `torch.distributed` themselves. That gives one plac
   other stream waits for the collective and nothing but the engine's `wait()` waits on its
   work: from torch 2.8 a NCCL work's `wait()` releases the tensors it kept alive
   (docs/gpu.md, "The agent and a collective's lifetime");
-* make a one-rank job a no-op: with world size 1 nothing is sent and nothing is reported.
+* make a one-rank job a no-op: with world size 1 nothing is sent and nothing is reported;
+* number the collectives of each process group (1, 2, ... on every rank alike, whichever
+  `Comm` issues them) and announce each one as it is issued, before it can block
+  (`on_collective_launch`): the agent's flight recorder (agent/probes/flight.py) knows which
+  collective a rank is stuck in, the one whose record never comes.
 
 Asynchronous work returns a `Handle`. On the host (gloo) its completion time comes from the
 work's future callback, so `end - start` is the real latency even when nobody waited for
@@ -134,8 +138,9 @@ class Handle:
     time as exposed; the record reaches observers when the work completes."""
 
     def __init__(self, comm: Comm, work: Any, op: str, purpose: str, nbytes: int, start: float,
-                 cuda_launched: Any = None) -> None:  # fmt: skip
+                 cuda_launched: Any = None, seq: int = 0) -> None:  # fmt: skip
         self._comm = comm
+        self._seq = seq
         self._work = work
         self._op, self._purpose, self._nbytes, self._start = op, purpose, nbytes, start
         #: On CUDA, the event recorded on the launching stream at the launch.
@@ -211,7 +216,7 @@ class Handle:
         # start of wait() to completion (not the thread's wake-up delay after it).
         exposed = min(self._exposed, max(0.0, end - self._wait_start))
         self._comm._emit(self._op, self._purpose, self._nbytes, self._start, end, True,
-                         exposed, cuda_events, cuda_exposed)  # fmt: skip
+                         exposed, cuda_events, cuda_exposed, self._seq)  # fmt: skip
 
 
 class _Done(Handle):
@@ -240,6 +245,10 @@ class Comm:
         self.observers = observers
         self.group = group
         self.enabled = dist.is_available() and dist.is_initialized()
+        #: The group's name, the same on every rank ("0" for the default group).
+        self.group_name = group_name(group) if self.enabled else "0"
+        #: The group's collective counter, shared by every Comm of the group in the process.
+        self._seq = _SEQS.setdefault(self.group_name, [0])
         self.rank = dist.get_rank(group) if self.enabled else 0
         self.world_size = dist.get_world_size(group) if self.enabled else 1
         self.ring = (
@@ -267,12 +276,13 @@ class Comm:
 
     def _emit(self, op: str, purpose: str, nbytes: int, start: float, end: float,
               async_op: bool, exposed: float, cuda_events: Any,
-              cuda_exposed: Any = None) -> None:  # fmt: skip
+              cuda_exposed: Any = None, seq: int = 0) -> None:  # fmt: skip
         if self.observers:
             rec = CollectiveRecord(op=op, purpose=purpose, nbytes=nbytes,
                                    world_size=self.world_size, start=start, end=end,
                                    async_op=async_op, exposed_s=exposed,
-                                   cuda_events=cuda_events, cuda_exposed=cuda_exposed)  # fmt: skip
+                                   cuda_events=cuda_events, cuda_exposed=cuda_exposed,
+                                   group=self.group_name, seq=seq)  # fmt: skip
             self.observers.call("on_collective", rec)
 
     def _run(self, op: str, purpose: str, nbytes: int, async_op: bool, device_tensor: torch.Tensor,
@@ -286,9 +296,15 @@ class Comm:
             # The collective can start once the compute stream reaches this point.
             launched = _cuda_event()
             launched.record()
+        counter = self._seq
+        counter[0] += 1
+        seq = counter[0]
         start = time.perf_counter()
+        if self.observers:
+            self.observers.call("on_collective_launch", self.group_name, seq, op,
+                                device_tensor.numel(), device_tensor.dtype, start)  # fmt: skip
         if async_op:
-            return Handle(self, launch(True), op, purpose, nbytes, start, launched)
+            return Handle(self, launch(True), op, purpose, nbytes, start, launched, seq)
         work = launch(False)
         if isinstance(work, _RingWork):
             work.wait()
@@ -301,7 +317,7 @@ class Comm:
             done.record()
             cuda_events = (launched, done)
         self._emit(op, purpose, nbytes, start, end, False, end - start, cuda_events,
-                   cuda_events)  # fmt: skip
+                   cuda_events, seq)  # fmt: skip
         return DONE
 
     # -- collectives -----------------------------------------------------------------------
@@ -379,6 +395,19 @@ class Comm:
                   torch.empty(0),
                   lambda a: dist.all_gather_object(out, obj, group=self.group))  # fmt: skip
         return out
+
+
+#: Collectives issued so far per process group name (a one-element list, shared by the
+#: group's Comms): the number of the next is the same on every rank of the group.
+_SEQS: dict[str, list[int]] = {}
+
+
+def group_name(group: Any = None) -> str:
+    """A process group's name, the same on every rank: torch's own (groups are named in
+    the order they are made, which every rank follows), "0" for the default group."""
+    pg = group if group is not None else dist.group.WORLD
+    name = getattr(pg, "group_name", None)
+    return str(name) if name else "0"
 
 
 # -- gloo: ring reduce-scatter and all-gather over point-to-point ------------------------------
@@ -478,5 +507,6 @@ __all__ = [
     "carries_cuda",
     "comm_timeout",
     "device_backends",
+    "group_name",
     "init_distributed",
 ]

@@ -64,11 +64,24 @@ class CollectiveRecord:
     exposed_s: float
     cuda_events: Any = None
     cuda_exposed: Any = None
+    group: str = ""
+    seq: int = 0
 
 
 @runtime_checkable
 class CommObserver(Protocol):
     def on_collective(self, record: CollectiveRecord) -> None: ...
+
+
+@runtime_checkable
+class LaunchObserver(Protocol):
+    """Hears each collective as it is issued, before it may block (optional: the agent's
+    flight recorder, agent/probes/flight.py). The matching `CollectiveRecord` carries the
+    same (group, seq) when the collective completes; one that never completes is the
+    hang the flight recorder names."""
+
+    def on_collective_launch(self, group: str, seq: int, op: str, numel: int, dtype: Any,
+                             t: float) -> None: ...  # fmt: skip
 
 
 @runtime_checkable
@@ -92,7 +105,8 @@ class ObserverRegistry:
     (observer, bound method) per method name.
     """
 
-    _METHODS = ("on_collective", "on_phase_start", "on_phase_end", "on_offload")
+    _METHODS = ("on_collective", "on_collective_launch", "on_phase_start", "on_phase_end",
+                "on_offload")  # fmt: skip
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -133,4 +147,5 @@ class ObserverRegistry:
                     log.exception("zerowatch observer %r failed in %s", obs, method)
 
 
-__all__ = ["CollectiveRecord", "CommObserver", "ObserverRegistry", "PhaseObserver"]
+__all__ = ["CollectiveRecord", "CommObserver", "LaunchObserver", "ObserverRegistry",
+           "PhaseObserver"]  # fmt: skip
