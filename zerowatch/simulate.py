@@ -67,6 +67,13 @@ class SimSpec:
     gpu_errors_at: int = 0
     #: Every this many steps carries raw spans (for the trace export); 0 = never.
     spans_every: int = 10
+    #: Heartbeats (`heartbeats`): from step `hang_at` on, these ranks never begin the step
+    #: (stuck in their data loader) and every other rank waits in the step's first
+    #: collective. None: no hang.
+    hang_at: int | None = None
+    hang_ranks: tuple[int, ...] = ()
+    #: Collectives each rank issues a step on the default group (the heartbeats' seqs).
+    collectives_per_step: int = 24
     seed: int = 0
 
 
@@ -271,6 +278,55 @@ def step_event(spec: SimSpec, rank: int, step: int, *, t: float | None = None,
     )
 
 
+#: Where a simulated rank's training thread waits: in a collective, in its data loader.
+_IN_COLLECTIVE = [ev.Frame("zerowatch/engine/comm.py", "wait", 171),
+                  ev.Frame("zerowatch/engine/reducers.py", "reduce", 212),
+                  ev.Frame("train.py", "train_step", 88)]  # fmt: skip
+_IN_LOADER = [ev.Frame("/usr/lib/python3.11/threading.py", "wait", 331),
+              ev.Frame("data/loader.py", "next_batch", 57),
+              ev.Frame("train.py", "main", 41)]  # fmt: skip
+
+
+def heartbeat(spec: SimSpec, rank: int, *, t: float, step: int | None = None,
+              stalled_s: float = 0.0) -> ev.Heartbeat:  # fmt: skip
+    """A rank's heartbeat at time `t`, at `step` (default: the spec's `hang_at`; the last
+    finished step is the one before), stalled for `stalled_s` seconds: a rank of
+    `hang_ranks` has not launched the step's first collective (and sits in its loader), any
+    other rank waits in it (launched at the step's start, not completed)."""
+    step = step if step is not None else (spec.hang_at or 0)
+    per = spec.collectives_per_step
+    done = step * per
+    hung = spec.hang_at is not None and rank in spec.hang_ranks
+    waits = spec.hang_at is not None and not hung
+    sizes = theory.comm_bytes_per_step(spec.num_params, spec.world_size, spec.stage,
+                                       precision=spec.precision)  # fmt: skip
+    op = "reduce_scatter" if "reduce_scatter" in sizes else next(iter(sizes), "all_reduce")
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(spec.precision, "float32")
+    elements = max(int(sizes.get(op, 4 * per) // per // 2), 1)
+    start = t - stalled_s
+    calls = [[s, op, elements, dtype, "completed", start - (done - s + 1) * 0.01,
+              start - (done - s) * 0.01] for s in range(max(done - 7, 1), done + 1)]  # fmt: skip
+    if waits:
+        calls = [*calls[1:], [done + 1, op, elements, dtype, "launched", start, None]]
+    stalled = spec.hang_at is not None and stalled_s > 0
+    return ev.Heartbeat(
+        rank=rank, time=t, last_step=step - 1 if step else None, last_step_end=start,
+        phase="between_steps" if hung else ("backward" if waits else "forward"),
+        stalled_s=stalled_s, stall_after_s=10.0,
+        groups={"0": ev.GroupFlight(launched=done + 1 if waits else done, completed=done,
+                                    calls=calls)},
+        stack=(_IN_LOADER if hung else _IN_COLLECTIVE) if stalled else None,
+        host=host_of(spec, rank), node=rank // spec.ranks_per_host,
+    )  # fmt: skip
+
+
+def heartbeats(spec: SimSpec, *, t: float | None = None,
+               stalled_s: float = 30.0) -> list[ev.Heartbeat]:  # fmt: skip
+    """Every rank's heartbeat (`heartbeat`) at `t` (default: now)."""
+    t = time.time() if t is None else t
+    return [heartbeat(spec, r, t=t, stalled_s=stalled_s) for r in range(spec.world_size)]
+
+
 def steps(spec: SimSpec, n_steps: int, *, start: int = 0,
           t0: float | None = None) -> Iterator[list[ev.StepEvent]]:  # fmt: skip
     """Yield, per step, the events of every rank, timestamped as if the run had started at
@@ -282,4 +338,5 @@ def steps(spec: SimSpec, n_steps: int, *, start: int = 0,
         yield [step_event(spec, r, step, t=t) for r in range(spec.world_size)]
 
 
-__all__ = ["SimSpec", "gpu_telemetry", "host_of", "run_create", "step_event", "steps"]
+__all__ = ["SimSpec", "gpu_telemetry", "heartbeat", "heartbeats", "host_of", "run_create",
+           "step_event", "steps"]  # fmt: skip

@@ -287,3 +287,20 @@ __all__ = [
     "run_create_json",
     "stored",
 ]
+
+
+def post_heartbeats(http: httpx.Client, spec: simulate.SimSpec, run_id: str, *,
+                    t: float | None = None, stalled_s: float = 30.0, batch: int = 512,
+                    prefix: str = "") -> int:  # fmt: skip
+    """Every rank's simulated heartbeat (simulate.heartbeats) POSTed to the run, `batch`
+    ranks a request (`http`: an httpx.Client, or the app's TestClient; `prefix`: the
+    server's URL for a plain client). Returns how many the server stored."""
+    beats = simulate.heartbeats(spec, t=t, stalled_s=stalled_s)
+    stored = 0
+    for i in range(0, len(beats), batch):
+        body = codec.dumps({"heartbeats": [codec.to_dict(b) for b in beats[i : i + batch]]})
+        r = http.post(f"{prefix}/api/v1/runs/{run_id}/heartbeats", content=body,
+                      headers={"Content-Type": "application/json"})  # fmt: skip
+        r.raise_for_status()
+        stored += int(r.json()["stored"])
+    return stored
