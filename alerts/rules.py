@@ -413,6 +413,25 @@ def alerts(s: AlertSettings) -> list[Alert]:
             "(dmesg | grep -i xid), nvidia-smi -q -d ECC,ROW_REMAPPER, and drain the node; "
             "resume from the last checkpoint taken before the errors.",
         ),
+        Alert(
+            alert="ZeroWatchCollectiveHang",
+            group="zerowatch.collective_hang",
+            records=(
+                # The server names the ranks of a running run's hang finding from its ranks'
+                # heartbeats (those not in the collective the others wait in, or silent).
+                Record("zerowatch:hung_ranks:max", f"max by ({RUN}) ({m['hung_ranks']})"),
+            ),
+            expr="zerowatch:hung_ranks:max > 0",
+            for_=s.collective_hang_for,
+            severity="critical",
+            summary=f"{_who(capital=True)} hangs in a collective",
+            description=f"{_who(capital=True)} hangs: its ranks wait in a collective that "
+            f'{{{{ printf "%.0f" $value }}}} of its ranks never launched (or those ranks '
+            f"went silent), for at least {s.collective_hang_for}. Look at the run's hang "
+            "finding (its page's banner, `zerowatch doctor RUN`): the collective (group, "
+            "sequence number, op, size), the ranks not in it and their Python stacks; then "
+            "kill the job before the collective's timeout spends more of its allocation.",
+        ),
     ]
 
 

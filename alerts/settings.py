@@ -203,6 +203,10 @@ class AlertSettings:
     gpu_errors_for: Duration = Duration("0s")
     """ZeroWatchGpuErrors: how long before firing (0s: at once)."""
 
+    collective_hang_for: Duration = Duration("1m")
+    """ZeroWatchCollectiveHang: how long the server must have named hung ranks (ranks not
+    in the collective the others wait in, or silent) before firing."""
+
     dashboard_url: str = ""
     """Base URL of the zerowatch server as on-call engineers open it (e.g.
     `https://zerowatch.example.org`); when set, every alert gets a `dashboard` annotation

@@ -41,7 +41,8 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Connection, func, select
 from zerowatch.server import models as m
 from zerowatch.server.db import Database
-from zerowatch.server.read import rollups, runs, series
+from zerowatch.server.heartbeats import read_heartbeats
+from zerowatch.server.read import forensics, rollups, runs, series
 from zerowatch.server.read.rollups import Stats
 from zerowatch.server.read.vocabulary import rank_values_of
 
@@ -163,6 +164,11 @@ class _Families:
             M["gpu_ecc_errors"], "Uncorrected ECC errors of the run's GPUs since their agents "
             "attached, summed over ranks.", labels=RUN,
         )  # fmt: skip
+        self.hung = GaugeMetricFamily(
+            M["hung_ranks"], "Ranks the hang finding names (not in the collective the other "
+            "ranks wait in, or silent; 1 where every rank waits in it), 0 without a hang.",
+            labels=RUN,
+        )  # fmt: skip
         self.scalars = {k: GaugeMetricFamily(M[k], doc, labels=GAUGE)
                         for k, (_, doc) in SCALARS.items()}  # fmt: skip
         self.keyed = {k: GaugeMetricFamily(M[k], doc, labels=[*GAUGE, label])
@@ -171,7 +177,7 @@ class _Families:
     def all(self) -> Iterator[Metric]:
         yield from (self.info, self.running, self.last, self.steps, self.skipped,
                     self.nonfinite, self.latency, self.gpu_throttled, self.gpu_xid,
-                    self.gpu_ecc)  # fmt: skip
+                    self.gpu_ecc, self.hung)  # fmt: skip
         yield from self.scalars.values()
         yield from self.keyed.values()
 
@@ -212,6 +218,8 @@ def _collect_run(conn: Connection, fam: _Families, row: Any, *, top_k: int, now:
          row.offload_param, row.engine, str(row.world_size)], 1.0,
     )  # fmt: skip
     fam.running.add_metric(run, 1.0 if row.status == "running" else 0.0)
+    if row.status == "running":
+        fam.hung.add_metric(run, _hung_ranks(conn, pk, int(row.world_size), now))
     if row.last_event_at is not None:
         fam.last.add_metric(run, min(row.last_event_at, now))
     stored = conn.execute(
@@ -267,6 +275,12 @@ def _collect_run(conn: Connection, fam: _Families, row: Any, *, top_k: int, now:
         ]  # fmt: skip
         for rank, values in sorted(_outlier_values(conn, pk, ranks, step).items()):
             _add_values(fam, run, values, stat="", rank=str(rank), per_rank=True)
+
+
+def _hung_ranks(conn: Connection, pk: int, world_size: int, now: float) -> float:
+    """The ranks the run's hang finding names, from its heartbeats (read/forensics.py)."""
+    found = forensics.hang(read_heartbeats(conn, pk), world_size=world_size, now=now)
+    return float(max(len(found[0].ranks), 1)) if found else 0.0
 
 
 def _collect_gpu(

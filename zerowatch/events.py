@@ -156,6 +156,8 @@ METRICS: Final = {
     "gpu_power_limit_ratio": "zerowatch_gpu_power_limit_ratio",
     "gpu_xid_errors": "zerowatch_gpu_xid_errors_total",
     "gpu_ecc_errors": "zerowatch_gpu_ecc_errors_total",
+    # Collective forensics (the ranks' heartbeats; docs/forensics.md)
+    "hung_ranks": "zerowatch_hung_ranks",
 }
 
 #: NVML's clock event (throttle) reasons, by bit (nvmlClocksEventReason* /

@@ -1,8 +1,10 @@
 """End to end: a real Prometheus loads the rendered rules, scrapes a live zerowatch server
 fed simulated runs, and raises ZeroWatchStepTimeRegression for the run whose step time
 regresses, ZeroWatchRunStalled for the run that stops sending, ZeroWatchGpuThrottled for
-the run one of whose GPUs stays throttled and ZeroWatchGpuErrors for the run one of whose
-GPUs starts reporting XID and ECC errors (the GPU telemetry as the agents send it).
+the run one of whose GPUs stays throttled, ZeroWatchGpuErrors for the run one of whose
+GPUs starts reporting XID and ECC errors (the GPU telemetry as the agents send it) and
+ZeroWatchCollectiveHang for the run whose ranks' heartbeats show one node's ranks out of the
+collective the others wait in.
 
 The rules are rendered with windows of seconds (the settings an operator would shrink),
 Prometheus scrapes and evaluates every second, and the simulated runs post one step every
@@ -25,7 +27,7 @@ from support.prometheus import PrometheusError, PrometheusServer, prometheus
 from zerowatch.alerts import RULES_PATH, AlertSettings, render_rules
 
 from zerowatch import events as ev
-from zerowatch.simulate import SimSpec, run_create, step_event
+from zerowatch.simulate import SimSpec, heartbeats, run_create, step_event
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -35,7 +37,7 @@ SETTINGS = AlertSettings.load(
     [
         f"window={WINDOW_S}s", f"step_time_baseline_offset={OFFSET_S}s",
         "step_time_regression_for=2s", "stall_after=4s", "stall_for=1s",
-        "gpu_throttled_for=2s", f"gpu_errors_window={WINDOW_S}s",
+        "gpu_throttled_for=2s", f"gpu_errors_window={WINDOW_S}s", "collective_hang_for=1s",
     ],
 )  # fmt: skip
 STEP_EVERY_S = 0.25
@@ -123,7 +125,7 @@ def test_prometheus_raises_regression_and_stall_alerts_from_a_live_server(
 
             groups = prom.rules()
             assert all(r["health"] != "err" for g in groups for r in g["rules"]), groups
-            assert len(groups) == 12
+            assert len(groups) == 13
 
             regressing = SimulatedRun(
                 server, SimSpec(name="regressing", project="e2e", step_time_s=0.5, seed=1)
@@ -138,7 +140,12 @@ def test_prometheus_raises_regression_and_stall_alerts_from_a_live_server(
                 server,
                 SimSpec(name="erroring", project="e2e", gpu_error_rank=0, gpu_errors_at=12, seed=4),
             ).start()
-            runs += [regressing, stalling, throttled, erroring]
+            # 16 ranks on 2 nodes; at step 6 the second node's ranks stay in their loader
+            # while the first node's wait in the step's first collective (their heartbeats).
+            hang_spec = SimSpec(name="hanging", project="e2e", world_size=16, seed=5, hang_at=6,
+                                hang_ranks=tuple(range(8, 16)))  # fmt: skip
+            hanging = SimulatedRun(server, hang_spec, max_steps=6).start()
+            runs += [regressing, stalling, throttled, erroring, hanging]
 
             # Let Prometheus hold a baseline one offset long, then regress.
             step_time = f'zerowatch_step_time_seconds{{run="{regressing.run_id}"}}'
@@ -162,8 +169,18 @@ def test_prometheus_raises_regression_and_stall_alerts_from_a_live_server(
                     ("ZeroWatchRunStalled", stalling.run_id),
                     ("ZeroWatchGpuThrottled", throttled.run_id),
                     ("ZeroWatchGpuErrors", erroring.run_id),
+                    ("ZeroWatchCollectiveHang", hanging.run_id),
+                    ("ZeroWatchRunStalled", hanging.run_id),
                 ]
+                if hanging.step >= 6 and not hung_posted:
+                    beats = {"heartbeats": [dataclasses.asdict(b) for b in heartbeats(hang_spec)]}
+                    resp = httpx.post(f"{server.api}/runs/{hanging.run_id}/heartbeats",
+                                      json=beats, timeout=10)  # fmt: skip
+                    assert resp.status_code == 200, resp.text
+                    hung_posted.append(True)
                 return got if all(k in got for k in want) else {}
+
+            hung_posted: list[bool] = []
 
             try:
                 alerts = prom.wait_for(both_alerts, timeout=25)
@@ -200,6 +217,9 @@ def test_prometheus_raises_regression_and_stall_alerts_from_a_live_server(
         gpu = alerts[("ZeroWatchGpuThrottled", throttled.run_id)]
         assert gpu["labels"]["severity"] == "warning" and float(gpu["value"]) == 1
         assert f"1 GPUs of run throttled (id {throttled.run_id}" in gpu["annotations"]["summary"]
+        hang = alerts[("ZeroWatchCollectiveHang", hanging.run_id)]
+        assert hang["labels"]["severity"] == "critical" and float(hang["value"]) == 8
+        assert f"Run hanging (id {hanging.run_id}" in hang["annotations"]["summary"]
         errors = alerts[("ZeroWatchGpuErrors", erroring.run_id)]
         assert errors["labels"]["severity"] == "critical" and float(errors["value"]) > 0
         assert (
@@ -214,6 +234,9 @@ def test_prometheus_raises_regression_and_stall_alerts_from_a_live_server(
             ("ZeroWatchRunStalled", stalling.run_id),
             ("ZeroWatchGpuThrottled", throttled.run_id),
             ("ZeroWatchGpuErrors", erroring.run_id),
+            # The hung run stopped sending steps: it is also a stalled run.
+            ("ZeroWatchCollectiveHang", hanging.run_id),
+            ("ZeroWatchRunStalled", hanging.run_id),
         }, sorted(alerts)
 
     assert time.monotonic() - started < 60
