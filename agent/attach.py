@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from zerowatch.agent import codec, flops
+from zerowatch.agent import codec, flops, forensics
 from zerowatch.agent.adapters import EngineAdapter, JobInfo, select_adapter
 from zerowatch.agent.client import IngestClient
 from zerowatch.agent.config import AgentConfig
@@ -295,6 +295,8 @@ def instrument(
         transport=transport, memory=memory, health=health, config=config, server=server,
         next_seq=lambda: next(seq),
     )  # fmt: skip
+    recorder.on_crash = handle.crash
+    recorder.tracer = _forward_tracer(engine, adapter, health)
     transport.every_wake(recorder.tidy)
     beat = HeartbeatSource(recorder, config, rank=job.rank, host=socket.gethostname(),
                            node=launcher_node())  # fmt: skip
@@ -306,6 +308,17 @@ def instrument(
     if job.rank == 0:
         _announce(run_id, server, spool.run_dir if server is None else None)
     return handle
+
+
+def _forward_tracer(engine: Any, adapter: EngineAdapter,
+                    health: AgentHealth) -> forensics.ForwardTracer | None:  # fmt: skip
+    """The tracer of NaNs born in the forward (armed only after a flagged step)."""
+    try:
+        model = _model_of(engine, adapter)
+    except Exception as e:
+        health.error("finding the model to trace non-finite outputs", e)
+        return None
+    return forensics.ForwardTracer(model) if model is not None else None
 
 
 def _gpu_identity(device: Any, wanted: bool | None, health: AgentHealth) -> DeviceIdentity | None:

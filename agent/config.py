@@ -56,6 +56,9 @@ class AgentConfig:
     """Longest wait between two tries, and between two probes of an unreachable server."""
     close_timeout_s: float = 10.0
     """How long `close()` may spend sending what is left; the rest stays in the spool."""
+    crash_flush_s: float = 2.0
+    """How long a crashing rank may spend sending its last event before the exception goes
+    on (the process is about to die; what is not sent stays in the spool)."""
     max_spool_bytes: int = 512 * 1024 * 1024
     """Bound on this rank's on-disk spool; past it new events are dropped and counted."""
     spool_segment_bytes: int = 4 * 1024 * 1024
@@ -117,7 +120,8 @@ class AgentConfig:
                 raise ValueError(f"{key}: expected an integer >= 0, got {value!r}")
         for key in ("flush_interval_s", "http_timeout_s", "retry_max_wait_s",
                     "close_timeout_s", "fsync_interval_s", "gpu_sample_interval_s",
-                    "heartbeat_interval_s", "stall_floor_s", "stall_factor"):  # fmt: skip
+                    "heartbeat_interval_s", "stall_floor_s", "stall_factor",
+                    "crash_flush_s"):  # fmt: skip
             value = getattr(self, key)
             if value is None and key in ("flush_interval_s", "heartbeat_interval_s"):
                 continue

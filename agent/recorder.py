@@ -52,6 +52,7 @@ from functools import partial
 from typing import Any
 
 from zerowatch.agent import flops
+from zerowatch.agent import forensics as fx
 from zerowatch.agent.adapters.base import EngineAdapter, JobInfo, StepStats
 from zerowatch.agent.config import AgentConfig
 from zerowatch.agent.errors import AgentHealth
@@ -116,6 +117,8 @@ class UserScalars:
     grad_norm: float | None = None
     #: (Made by the first other key: a new UserScalars at every step's end builds nothing.)
     other: dict[str, float] | None = None
+    #: `run.log(batch_ids=...)`: kept in the event of a flagged step only.
+    batch_ids: list[Any] | None = None
 
     def add(self, scalars: dict[str, float]) -> None:
         for key, value in scalars.items():
@@ -159,6 +162,9 @@ class StepDraft:
     cpu: tuple[float, float] | None = None
     #: perf_counter -> unix seconds on rank 0's clock, as the offset stood when it ended.
     unix_offset: float = 0.0
+    #: The first module whose forward output was not finite (traced on a step after a
+    #: flagged one: agent/forensics.py); None.
+    forward_module: str | None = None
 
     def ready(self, clock: Clock) -> bool:
         return (clock.ready(self.end) and self.phases.ready() and self.collectives.ready()
@@ -225,6 +231,13 @@ class StepRecorder:
         #: Estimates the offset again (over the job's group), every `clock_sync_every` steps.
         self.resync_clock: Callable[[], float] | None = None
         self.steps_emitted = 0
+        #: Traces a NaN born in the forward on the step after a flagged one (attach.py
+        #: gives it the model); `_trace_next`: a flagged step asks for it.
+        self.tracer: fx.ForwardTracer | None = None
+        self._trace_next = False
+        #: Called with (error, phase, step) when an exception leaves the engine (Run.crash).
+        self.on_crash: Callable[[BaseException, str, int | None], None] | None = None
+        self._step_nonfinite: Callable[[], bool] | None = getattr(adapter, "step_nonfinite", None)
         #: The last collectives of each process group (the heartbeat's evidence of a hang).
         self.flight = FlightRecorder()
         #: The engine announces each collective before it can block: straight to the ring.
@@ -375,6 +388,10 @@ class StepRecorder:
             pass
         return "step"
 
+    def current_step(self) -> int:
+        """The number of the step in progress (or of the next one, between steps)."""
+        return self._step
+
     def stalled_for(self, now: float | None = None) -> float:
         """Seconds since this rank last finished a step (since the recorder started, before
         its first)."""
@@ -420,6 +437,11 @@ class StepRecorder:
         except Exception as e:
             self._health.error(f"recording the end of phase {phase!r}", e)
 
+    def on_error(self, error: BaseException, phase: str, step: int | None) -> None:
+        """An exception is leaving the engine (training thread): the run's last event."""
+        if self.on_crash is not None:
+            self.on_crash(error, phase, step)
+
     def on_offload(self, direction: str, nbytes: int, start: float, end: float,
                    cuda_events: Any = None) -> None:  # fmt: skip
         try:
@@ -434,13 +456,18 @@ class StepRecorder:
 
     # -- user scalars ----------------------------------------------------------------
 
-    def log(self, scalars: dict[str, float]) -> None:
+    def log(self, scalars: dict[str, float], batch_ids: list[Any] | None = None) -> None:
         """Add validated scalars to the step in progress, or to the one that just ended."""
         with self._lock:
             if self._step_start is None and self._open is not None:
-                self._open.user.add(scalars)
+                user = self._open.user
             else:
-                self._user.add(scalars)
+                user = self._user
+            user.add(scalars)
+            if batch_ids is not None:
+                user.batch_ids = (user.batch_ids or []) + batch_ids
+            if user.loss_nonfinite:
+                self._trace_next = True
 
     # -- step assembly ---------------------------------------------------------------
 
@@ -466,6 +493,9 @@ class StepRecorder:
         self._offload.sample_next(self._sampled)
         self._step_start = self._clock.mark(t)
         self._step_t0 = t
+        if self._trace_next and self.tracer is not None:
+            self._trace_next = False
+            self.tracer.arm()
         if self._cpu_clocks:
             self._cpu_start = (time.thread_time(), time.process_time())
 
@@ -499,12 +529,19 @@ class StepRecorder:
         memory = self._memory.take(self._model_state)
         later = self._step_stats_later
         stats = later() if later is not None else self._adapter.step_stats()
+        forward_module = None
+        if self.tracer is not None:
+            if self.tracer.armed:
+                forward_module = self.tracer.take()
+            flagged = self._step_nonfinite
+            if flagged is not None and flagged():
+                self._trace_next = True
         with self._lock:
             draft = StepDraft(
                 step=self._step, start=self._step_start, end=end, phases=phases,
                 collectives=window, offload=offload, offload_spans=offload_spans,
                 memory=memory, stats=stats, sampled=self._sampled, user=self._user, cpu=cpu,
-                unix_offset=self._unix_offset,
+                unix_offset=self._unix_offset, forward_module=forward_module,
             )  # fmt: skip
             self._user = UserScalars()
             if self._open is not None:  # two step ends without a start between: keep both
@@ -630,6 +667,12 @@ class StepRecorder:
             thread_cpu_s=d.cpu[0] if d.cpu else None,
             other_cpu_s=d.cpu[1] if d.cpu else None,
             gpu=self.gpu.window(start_unix, end_unix),
+            forensics=fx.step_forensics(
+                stats.local_grads,
+                nonfinite=nonfinite,
+                forward_module=d.forward_module,
+                batch_ids=user.batch_ids,
+            ),
         )
 
     def _spans(self, d: StepDraft, start_unix: float, step_time: float) -> list[ev.Span]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from zerowatch.agent import forensics as fx
 from zerowatch.agent.adapters.base import EngineAdapter, JobInfo
 from zerowatch.agent.config import AgentConfig
 from zerowatch.agent.errors import AgentHealth
@@ -44,7 +45,9 @@ class Run:
     """What `zerowatch.instrument()` returns; one per rank, all ranks of a job share `id`.
 
     Use as a context manager (`with zerowatch.instrument(engine) as run:`) or call
-    `close()` at the end; a block left by an exception marks the run failed.
+    `close()` at the end. An exception that leaves the engine or the block crashes the
+    run (`crash`): its last event carries the exception, and the exception goes on
+    unchanged; KeyboardInterrupt and the like mark the rank failed.
     """
 
     def __init__(
@@ -93,9 +96,14 @@ class Run:
         optimizer), other keys keep their last value. A one-element tensor is accepted
         (reading it waits for the device, as `.item()` does).
 
+        `batch_ids` (a list of ids of the step's samples, or one id) is kept in the event of
+        a step whose loss or gradient was not finite (docs/forensics.md), not otherwise.
+
         Raises:
             TypeError: a value is not a real number (the message names the key).
         """
+        ids = scalars.pop("batch_ids", None)
+        batch_ids = _batch_ids(ids) if ids is not None else None
         # One pass (it runs on the training thread every step): plain floats and ints
         # without the checks of anything else.
         clean: dict[str, float] = {}
@@ -118,24 +126,27 @@ class Run:
                 value,
             )
         try:
-            self._recorder.log(clean)
+            self._recorder.log(clean, batch_ids)
         except Exception as e:
             self._health.error("run.log", e)
 
-    def close(self, status: str | None = None, error: str | None = None) -> None:
+    def close(self, status: str | None = None, error: str | None = None,
+              crash: dict[str, Any] | None = None, timeout_s: float | None = None) -> None:  # fmt: skip
         """Flush, send this rank's EndEvent and stop shipping (idempotent).
 
         Args:
-            status: "finished" (default) or "failed".
+            status: "finished" (default), "failed" or "crashed".
             error: a short description of the failure.
+            crash: with "crashed": the crash report (agent/forensics.crash_report).
+            timeout_s: how long sending may take (default `close_timeout_s`).
         """
+        status = status or "finished"
+        if status not in ("finished", "failed", "crashed"):
+            raise ValueError(f"status: expected 'finished', 'failed' or 'crashed', got {status!r}")
         with self._close_lock:
             if self.closed:
                 return
             self.closed = True
-        status = status or "finished"
-        if status not in ("finished", "failed"):
-            raise ValueError(f"status: expected 'finished' or 'failed', got {status!r}")
         self.status = status
         try:
             self._adapter.detach(self._recorder)
@@ -151,13 +162,37 @@ class Run:
             time=time.time(),
             status=status,  # type: ignore[arg-type]
             error=error[:2000] if error else None,
+            crash=crash,
         )
         try:
-            self._transport.close(end, self.config.close_timeout_s)
+            self._transport.close(
+                end, self.config.close_timeout_s if timeout_s is None else timeout_s
+            )
         except Exception as e:
             self._health.error("closing the shipper", e)
         self._memory.close()
         self._recorder.gpu.close()
+
+    def crash(self, error: BaseException, phase: str, step: int | None = None) -> None:
+        """Send this rank's last event for `error` (type, message, stack, step, phase; on
+        out-of-memory the memory waterfall) and close the run as crashed, waiting at most
+        `crash_flush_s` for the server. Never raises: the caller re-raises `error`."""
+        if self.closed:
+            return
+        try:
+            step = self._recorder.current_step() if step is None else step
+            memory = None
+            if fx.is_oom(error):
+                try:
+                    memory = fx.memory_at_crash(self._adapter.model_state_bytes(), self._job,
+                                                error)  # fmt: skip
+                except Exception as e:
+                    self._health.error("reading memory at an out-of-memory error", e)
+            report = fx.crash_report(error, phase=phase, step=step, memory=memory)
+            self.close(status="crashed", error=f"{type(error).__name__}: {error}",
+                       crash=report, timeout_s=self.config.crash_flush_s)  # fmt: skip
+        except Exception as e:
+            self._health.error("reporting a crash", e)
 
     def __enter__(self) -> Run:
         return self
@@ -170,6 +205,8 @@ class Run:
     ) -> None:
         if exc_type is None:
             self.close()
+        elif isinstance(exc, Exception):
+            self.crash(exc, self._recorder.phase_now())
         else:
             self.close(status="failed", error=f"{exc_type.__name__}: {exc}")
 
@@ -197,6 +234,17 @@ class Run:
 
     def __repr__(self) -> str:
         return f"Run(id={self.id!r}, rank={self.rank}, status={self.status!r})"
+
+
+def _batch_ids(ids: Any) -> list[Any]:
+    """`run.log(batch_ids=...)` as a JSON-ready list (ints and strings; at most 1,024)."""
+    if isinstance(ids, str | int) or not hasattr(ids, "__iter__"):
+        ids = [ids]
+    elif hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    out = [i if isinstance(i, int | str) and not isinstance(i, bool) else str(i)
+           for i in list(ids)[:1024]]  # fmt: skip
+    return out
 
 
 __all__ = ["Run"]

@@ -58,7 +58,8 @@ class Run(Base):
     name: Mapped[str] = mapped_column(Text)
     project: Mapped[str] = mapped_column(Text, index=True)
     tags: Mapped[list[Any]] = mapped_column(JSON)
-    #: running, finished or failed; "stalled" is derived when reading (no recent event).
+    #: running, finished, failed or crashed; "stalled" is derived when reading (no recent
+    #: event).
     status: Mapped[str] = mapped_column(Text, index=True)
     zero_stage: Mapped[int] = mapped_column(Integer)
     offload_optimizer: Mapped[str] = mapped_column(Text)
@@ -110,6 +111,8 @@ class RankState(Base):
     #: The host the rank runs on and its rank there (from its step events).
     host: Mapped[str | None] = mapped_column(Text, nullable=True)
     local_rank: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    #: A crashed rank's report (events.EndEvent.crash); NULL otherwise.
+    crash: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class Step(Base):
@@ -154,6 +157,8 @@ class Step(Base):
     #: events.GpuTelemetry as a dict: the rank's GPU during the step (NVML); NULL or JSON
     #: null without one (CPU runs, no NVML, older agents).
     gpu: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    #: A flagged step's forensics on this rank (events.StepEvent.forensics); NULL otherwise.
+    forensics: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
     # SQLite: clustered by the primary key, so one rank's steps lie together (migration 0002).
     __table_args__ = (Index("ix_steps_run_step", "run", "step"), {"sqlite_with_rowid": False})

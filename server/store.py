@@ -248,7 +248,7 @@ STEP_COLUMNS = (
     "run", "rank", "seq", "step", "time", "step_time_s", "exposed_comm_s", "grad_norm",
     "clipped", "loss", "loss_scale", "skipped", "nonfinite", "lr", "samples", "tokens",
     "samples_per_s", "tokens_per_s", "mfu", "phases", "parts", "hidden_comm_s", "offload",
-    "memory", "scalars", "thread_cpu_s", "other_cpu_s", "gpu",
+    "memory", "scalars", "thread_cpu_s", "other_cpu_s", "gpu", "forensics",
 )  # fmt: skip
 COLLECTIVE_COLUMNS = (
     "run", "rank", "seq", "op", "purpose", "step", "count", "bytes", "latency_sum_s",
@@ -276,7 +276,7 @@ def _step_row(pk: int, e: ev.StepEvent) -> tuple[Any, ...]:
         pk, e.rank, e.seq, e.step, e.time, e.step_time_s, e.exposed_comm_s, e.grad_norm,
         e.clipped, e.loss, e.loss_scale, e.skipped, e.nonfinite, e.lr, e.samples, e.tokens,
         e.samples_per_s, e.tokens_per_s, e.mfu, e.phases, e.parts, e.hidden_comm_s, offload,
-        memory, e.scalars, e.thread_cpu_s, e.other_cpu_s, e.gpu,
+        memory, e.scalars, e.thread_cpu_s, e.other_cpu_s, e.gpu, e.forensics,
     )  # fmt: skip
 
 
@@ -606,6 +606,7 @@ def _record_end(conn: Connection, pk: int, e: ev.EndEvent) -> bool:
         "error": e.error,
         "dropped_events": e.dropped_events,
         "agent_errors": e.agent_errors,
+        "crash": e.crash,
     }
     if current is None:
         conn.execute(rs.insert().values(run=pk, rank=e.rank, steps=0, **values))
@@ -615,16 +616,22 @@ def _record_end(conn: Connection, pk: int, e: ev.EndEvent) -> bool:
 
 
 def _settle_status(conn: Connection, ref: RunRef, *, now: float) -> str:
-    """Once every rank has ended, the run is finished (or failed if any rank failed)."""
+    """Once every rank has ended, the run is finished (or failed if any rank failed); a
+    rank that crashed crashes the run at once (its peers will wait for it in their next
+    collective: the run is not running, nor stalled)."""
     rs = m.rank_states
     rows = conn.execute(
         select(rs.c.end_status, rs.c.end_time).where(
             rs.c.run == ref.pk, rs.c.end_status.is_not(None)
         )
     ).all()
-    if len(rows) < ref.world_size:
+    crashed = any(r.end_status == "crashed" for r in rows)
+    if len(rows) < ref.world_size and not crashed:
         return ref.status
-    status = "failed" if any(r.end_status == "failed" for r in rows) else "finished"
+    if crashed:
+        status = "crashed"
+    else:
+        status = "failed" if any(r.end_status == "failed" for r in rows) else "finished"
     ended_at = min(max(r.end_time for r in rows), now)
     conn.execute(
         update(m.runs).where(m.runs.c.id == ref.pk).values(status=status, ended_at=ended_at)

@@ -57,6 +57,9 @@ class StepStats:
     skipped: bool = False
     lr: float | None = None
     nonfinite: bool = False
+    #: This rank's gradients before the reduction (the bundled engine's
+    #: engine/forensics.LocalGradReport, read on the shipper thread); None: not known.
+    local_grads: Any = None
 
 
 @runtime_checkable

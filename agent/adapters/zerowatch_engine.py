@@ -40,6 +40,7 @@ def _stats_of(last: Any) -> StepStats:
         lr=_finite_or_none(getattr(last, "lr", None)),
         nonfinite=bool(getattr(last, "nonfinite", False))
         or (raw_norm is not None and norm is None),
+        local_grads=getattr(last, "local_grads", None),
     )
 
 
@@ -134,6 +135,11 @@ class ZeroWatchEngineAdapter:
 
     def step_stats(self) -> StepStats:
         return _stats_of(getattr(self.engine, "last_step", None))
+
+    def step_nonfinite(self) -> bool:
+        """Whether the step that just ended had a non-finite gradient (cheap: a flag of the
+        engine's record; the recorder arms its forward tracer on it)."""
+        return bool(getattr(getattr(self.engine, "last_step", None), "nonfinite", False))
 
     def step_stats_later(self) -> StepStats | Callable[[], StepStats]:
         """`step_stats()` of the step that just ended, or a callable that reads it later

@@ -23,6 +23,7 @@ job's tokens/s and MFU over the window (None where unknown).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -30,7 +31,7 @@ from sqlalchemy import select
 from zerowatch.server import models as m
 from zerowatch.server.db import Database
 from zerowatch.server.heartbeats import read_heartbeats
-from zerowatch.server.read import forensics, runs
+from zerowatch.server.read import doctor_crash, forensics, runs
 from zerowatch.server.read.doctor_checks import SEVERITIES, Finding, run_checks
 from zerowatch.server.read.doctor_evidence import gather
 from zerowatch.server.read.doctor_settings import DoctorSettings
@@ -53,10 +54,17 @@ def findings(
             return None
         run = runs.run_dict(row, now=0.0, stalled_after_s=float("inf"))
         evidence = gather(conn, int(row.id), run, settings)
+        crashed = doctor_crash.crashes(conn, int(row.id)) if row.status == "crashed" else []
+        if evidence is not None:
+            flagged = [st for st, v in sorted((evidence.signals.get("nonfinite") or {}).items())
+                       if v.get("max") > 0]  # fmt: skip
+            rows = doctor_crash.origins(conn, int(row.id), flagged)
+            evidence = dataclasses.replace(evidence, origin=doctor_crash.origin(rows))
         # (A failed run's last heartbeats say which collectives the ranks were in.)
         beats = read_heartbeats(conn, int(row.id)) if row.status != "finished" else []
     # Hangs and desyncs come from the ranks' heartbeats (read/forensics.py), steps or not.
     stuck = forensics.findings(beats, world_size=int(row.world_size), now=time.time())
+    stuck = doctor_crash.crash_findings(crashed) + stuck
     if evidence is None:
         return {"run_id": run_id, "window": None, "findings": [f.to_dict() for f in stuck]}
     found = order(stuck + run_checks(evidence, settings))

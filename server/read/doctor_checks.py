@@ -617,9 +617,21 @@ def nonfinite(e: Evidence, s: DoctorSettings) -> list[Finding]:
     bad = _ordered(e.signals.get("nonfinite"), "max")
     skipped = dict(_ordered(e.signals.get("skipped"), "max"))
     steps = [st for st, v in bad if v > 0 and not skipped.get(st)]
+    origin = e.origin
+    if not steps and origin.get("forward_module"):
+        # Skipped by the loss scaler, but born in a module's forward: still worth naming.
+        steps = [st for st, v in bad if v > 0]
     if not steps:
         return []
-    rank = _typical(e.signals.get("nonfinite"), "max_rank")
+    rank = origin.get("first_rank", _typical(e.signals.get("nonfinite"), "max_rank"))
+    began = ""
+    if origin.get("first_module"):
+        began = (f" It began on rank {origin['first_rank']} in {origin['first_module']}"
+                 f" (step {origin.get('first_step', origin.get('forward_step'))}).")  # fmt: skip
+    if origin.get("forward_module"):
+        began += (f" The first module whose forward output was not finite: "
+                  f"{origin['forward_module']} (rank {origin['forward_rank']}, step "
+                  f"{origin['forward_step']}).")  # fmt: skip
     return [
         Finding(
             kind="nonfinite",
@@ -627,13 +639,16 @@ def nonfinite(e: Evidence, s: DoctorSettings) -> list[Finding]:
             ranks=(rank,) if rank is not None else (),
             steps=(steps[0], steps[-1]),
             message=f"{len(steps)} step(s) had a non-finite loss or gradient that was not "
-            "skipped: the weights may hold NaN from there on.",
+            f"skipped: the weights may hold NaN from there on.{began}",
             suggestion="Roll back to the checkpoint before the first such step; look for a "
             "bad batch, a division by zero or log(0) in the loss, a learning rate spike; "
             "enable gradient clipping.",
             evidence={
                 "steps": steps[-20:],
                 "nonfinite_steps_total": e.totals.get("nonfinite_steps", (0.0, []))[0],
+                "first_rank": origin.get("first_rank"),
+                "first_module": origin.get("first_module"),
+                **{k: v for k, v in origin.items() if k not in ("first_rank", "first_module")},
             },
             chart="training",
         )

@@ -52,6 +52,9 @@ class Evidence:
     gaps: dict[int, float]
     #: The worst busy rank's GPU over the window (`gpu_health`), where it sent GPU telemetry.
     rank_gpu: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: Where the first non-finite steps began (doctor_crash.origin): first rank and module,
+    #: the ranks' local gradient norms, the forward's first non-finite module, batch ids.
+    origin: dict[str, Any] = field(default_factory=dict)
 
     def median(self, name: str, stat: str = "p50", *, signals: bool = False) -> float | None:
         """The median over the window's steps of one statistic of a metric."""

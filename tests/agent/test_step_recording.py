@@ -145,17 +145,34 @@ def test_bad_log_values_and_unknown_options_name_the_key(fake_engine, spool_root
         fake_engine.train_step()
 
 
-def test_a_failing_block_marks_the_run_failed_and_detaches(fake_engine, spool_root):
+def test_a_failing_block_crashes_the_run_with_the_exception_and_detaches(fake_engine,
+                                                                          spool_root):  # fmt: skip
     with (
-        pytest.raises(RuntimeError),
+        pytest.raises(RuntimeError) as raised,
         zerowatch.instrument(fake_engine, spool_dir=spool_root) as run,
     ):
         fake_engine.train_step()
-        raise RuntimeError("diverged")
+        error = RuntimeError("diverged")
+        raise error
+    assert raised.value is error  # the user's code sees the same exception
     end = spooled(run)[-1]
-    assert end["kind"] == "end" and end["status"] == "failed" and "diverged" in end["error"]
+    assert end["kind"] == "end" and end["status"] == "crashed" and "diverged" in end["error"]
+    crash = end["crash"]
+    assert (crash["type"], crash["message"], crash["oom"]) == ("RuntimeError", "diverged", False)
+    assert "raise error" in crash["stack"] and crash["memory"] is None
     assert not fake_engine.registry
     run.close()  # idempotent
+
+
+def test_keyboard_interrupt_in_the_block_marks_the_run_failed(fake_engine, spool_root):
+    with (
+        pytest.raises(KeyboardInterrupt),
+        zerowatch.instrument(fake_engine, spool_dir=spool_root) as run,
+    ):
+        fake_engine.train_step()
+        raise KeyboardInterrupt
+    end = spooled(run)[-1]
+    assert end["status"] == "failed" and end["crash"] is None
 
 
 def test_agent_errors_are_counted_never_raised(fake_engine, spool_root, monkeypatch):

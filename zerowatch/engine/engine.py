@@ -19,6 +19,7 @@ engine never reduces a gradient or gathers a parameter again.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from collections.abc import Iterable
@@ -38,6 +39,7 @@ from zerowatch.engine import zero_init as _zero_init
 from zerowatch.engine.comm import Comm, carries_cuda, device_backends
 from zerowatch.engine.counts import collective_calls
 from zerowatch.engine.flat import Segment, Slot
+from zerowatch.engine.forensics import LocalGrads
 from zerowatch.engine.hooks import ObserverRegistry
 from zerowatch.engine.optim import MasterWeights, StepStats, build_optimizer, state_tensors
 from zerowatch.engine.phases import Phases
@@ -199,6 +201,11 @@ class ZeroEngine:
         self._unhook = weakref.finalize(self, self.parts.remove_hooks)
         self._unhook.atexit = False  # nothing to undo in a process that is ending
         self.num_persistent_parameters = self.parts.persistent_numel
+        #: Each rank's gradients before the reduction, per step (forensics.py): which rank
+        #: and which parameters a non-finite gradient came from.
+        self.local_grads = LocalGrads({name: i for i, (name, _, _) in enumerate(params)})
+        for r in self.parts.reducers:
+            r.local_grads = self.local_grads
         self.offload_optimizer = zc.offload_optimizer.device == "cpu"
         self.offload_param = zc.offload_param.device == "cpu"
         self.masters = MasterWeights(self.parts.segments, self.comm, self.phases,
@@ -293,12 +300,16 @@ class ZeroEngine:
             self._step_open = True
             self.phases.start("step")
         args, kwargs = tree_map(self._cast_input, (args, kwargs))
-        with self.phases.phase("forward"):
-            for o in self.parts.owners:
-                o.begin_pass("forward")
-            out = self.module(*args, **kwargs)
-            for o in self.parts.owners:
-                o.end_pass("forward")
+        try:
+            with self.phases.phase("forward"):
+                for o in self.parts.owners:
+                    o.begin_pass("forward")
+                out = self.module(*args, **kwargs)
+                for o in self.parts.owners:
+                    o.end_pass("forward")
+        except Exception as e:
+            self._failed(e, "forward")
+            raise
         return out
 
     __call__ = forward
@@ -306,6 +317,14 @@ class ZeroEngine:
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of `loss` / gradient_accumulation_steps (times the fp16 loss scale);
         gradients are reduced as they are produced."""
+        try:
+            self._backward(loss, retain_graph)
+        except Exception as e:
+            self._failed(e, "backward")
+            raise
+        return loss
+
+    def _backward(self, loss: torch.Tensor, retain_graph: bool) -> None:
         sync = self.is_gradient_accumulation_boundary()
         with self.phases.phase("backward"):
             # Divided before the sum across ranks (`predivide`), in the loss: gradients are
@@ -322,14 +341,29 @@ class ZeroEngine:
                 o.end_pass("backward")
             for r in self.parts.reducers:
                 r.end_backward()
-        return loss
 
     def step(self) -> None:
         """Step the optimizer if this micro-batch ends an accumulation cycle."""
+        try:
+            self._step()
+        except Exception as e:
+            self._failed(e, "optimizer_step")
+            raise
+
+    def _failed(self, error: Exception, phase: str) -> None:
+        """Tell the observers that `error` is leaving the engine in `phase` of the step in
+        progress (`on_error(error, phase, step)`: the agent's last event), before it goes
+        on to the caller unchanged."""
+        if self._observers:
+            self._observers.call("on_error", error, phase, self.global_steps)
+
+    def _step(self) -> None:
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
             return
+        # What the reduced gradients were multiplied by (before the scaler moves).
+        divisor = self.scaler.scale / (self.gradient_accumulation_steps * self.predivide)
         with self.phases.phase("optimizer_step"):
             stats = self.masters.step(
                 self.optimizer, grad_divisor=self.world_size / self.predivide * self.scaler.scale,
@@ -345,6 +379,9 @@ class ZeroEngine:
                     self.lr_scheduler.step()
             for r in self.parts.reducers:
                 r.zero_grad()
+        local = self.local_grads.take(divisor)
+        if local is not None:
+            stats = dataclasses.replace(stats, local_grads=local)
         self.global_steps += 1
         self.last_step = stats
         if self._step_open:

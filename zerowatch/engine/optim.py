@@ -48,6 +48,8 @@ class StepStats:
         skipped: the step was skipped (fp16 overflow).
         lr: learning rate of the first param group for this step.
         nonfinite: the gradients held inf or nan.
+        local_grads: this rank's gradients before the reduction (forensics.py), read
+            when asked; None when not collected.
     """
 
     grad_norm: float | None
@@ -56,6 +58,7 @@ class StepStats:
     skipped: bool
     lr: float
     nonfinite: bool
+    local_grads: Any = None
 
 
 class _Master:

@@ -44,6 +44,7 @@ from torch import nn
 from zerowatch.engine.buffers import BufferPool
 from zerowatch.engine.comm import Comm, Handle
 from zerowatch.engine.flat import Segment
+from zerowatch.engine.forensics import LocalGrads
 from zerowatch.engine.phases import Phases
 
 
@@ -156,6 +157,8 @@ class BoundaryReducer:
         self.tracker = _ReadyTracker(segments)
         self.sync = False
         self.pending: list[tuple[Handle, torch.Tensor | None, Segment]] = []
+        #: Notes each bucket's local gradients before its collective (the engine sets it).
+        self.local_grads: LocalGrads | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._views]
         self._attach_grads()
 
@@ -179,6 +182,8 @@ class BoundaryReducer:
 
     def _launch(self, seg: Segment) -> None:
         flat = self._flat[seg.index]
+        if self.local_grads is not None:
+            self.local_grads.add(seg, flat)
         with self.phases.phase("grad_reduce"):
             if self.op == "all_reduce":
                 h = self.comm.all_reduce(flat, purpose="grad_reduce", async_op=self.overlap)
@@ -258,6 +263,8 @@ class MicroBatchReducer:
         self.pending: list[tuple[Handle, torch.Tensor, torch.Tensor, Segment]] = []
         #: Segments whose gradients are staged and whose turn to be issued has not come.
         self.staged: dict[int, torch.Tensor] = {}
+        #: Notes each segment's local gradients before its collective (the engine sets it).
+        self.local_grads: LocalGrads | None = None
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad)
                        for seg in segments for s in seg.slots]  # fmt: skip
 
@@ -298,6 +305,8 @@ class MicroBatchReducer:
         if seg.index not in self.staged:  # no gradient in this backward: zeros
             self._stage(seg, arrived=False)
         staging = self.staged.pop(seg.index)
+        if self.local_grads is not None:
+            self.local_grads.add(seg, staging)
         out = seg.grad_shard if self.fresh else torch.empty_like(seg.grad_shard)
         h = self.comm.reduce_scatter(out, staging, purpose="grad_reduce", async_op=self.overlap)
         self.pending.append((h, staging, out, seg))
