@@ -192,6 +192,9 @@ class RunView:
     theory: dict[str, float] = field(default_factory=dict)
     #: The device capacity the agents reported (None: none did, e.g. a CPU run).
     capacity_bytes: float | None = None
+    #: The allocator's reserved bytes at that step, (median rank, highest rank); None where
+    #: not reported (a CPU run).
+    memory_reserved: tuple[float, float] | None = None
     offload: dict[str, Series] = field(default_factory=dict)
     grad_norm: Series = field(default_factory=Series)
     loss: Series = field(default_factory=Series)

@@ -17,13 +17,17 @@ Every builder is a pure function of plain data (dashboards.data) returning a go.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import plotly.graph_objects as go
 from zerowatch.dashboards import theme as th
 from zerowatch.dashboards.data import RankGrid, RunView, Series, SizePoints, Straggler
 from zerowatch.dashboards.spread import add_bands, memory_by_rank, phase_spread, rank_spread
+from zerowatch.dashboards.waterfall import memory_waterfall
 
+from zerowatch import waterfall as wf
 from zerowatch.events import PHASES, STEP_PARTS
 
 _STEP_AXIS = {"title": {"text": "step"}}
@@ -434,6 +438,7 @@ CHARTS = (
     ("collectives", False),
     ("bandwidth", False),
     ("memory", False),
+    ("waterfall", False),
     ("offload", False),
     ("training", False),
     ("ranks", True),
@@ -464,6 +469,8 @@ def figures(view: RunView) -> dict[str, go.Figure]:
             view.memory_peak, view.memory_state, view.memory_phases, view.theory,
             stage=int(view.run.get("zero_stage", 0)), capacity_bytes=view.capacity_bytes,
         )  # fmt: skip
+    if view.memory_peak is not None:
+        out["waterfall"] = memory_waterfall(waterfall_by_rank(view))
     if any(view.offload.values()):
         out["offload"] = offload(view.offload)
     if view.grad_norm or view.loss or view.lr:
@@ -474,6 +481,33 @@ def figures(view: RunView) -> dict[str, go.Figure]:
         )  # fmt: skip
     if view.heat.ranks and view.heat.steps:
         out["ranks"] = rank_heatmap(view.heat, view.straggler)
+    return out
+
+
+def waterfall_by_rank(view: RunView) -> dict[str, dict[str, Any]]:
+    """The memory waterfall (zerowatch.waterfall) of the median rank and of the worst at the
+    newest step that measured memory, from the stored rollups. The peak counts as the
+    allocator's only where the agents reported a device capacity (a GPU); on a CPU it is
+    the process's RSS and says nothing of activations."""
+    run = view.run
+    buffers = wf.comm_buffer_bytes(
+        param_count=int(run.get("param_count") or 0), world_size=int(run.get("world_size", 1)),
+        precision=str(run.get("precision", "fp32")), stage=int(run.get("zero_stage", 0)),
+        zero_config=(run.get("config") or {}).get("zero_optimization"),
+    )  # fmt: skip
+    on_device = view.capacity_bytes is not None and view.memory_peak is not None
+    values = view.memory_peak.values if view.memory_peak is not None else []
+    peaks = (statistics.median(values), max(values)) if on_device and values else (None, None)
+    reserved = view.memory_reserved or (None, None)
+    capacity = int(view.capacity_bytes) if view.capacity_bytes else None
+    out: dict[str, dict[str, Any]] = {}
+    for label, peak, res in (("median rank", peaks[0], reserved[0]),
+                             ("worst rank", peaks[1], reserved[1])):  # fmt: skip
+        out[label] = wf.waterfall(
+            theory=view.theory, model_state=view.memory_state, comm_buffers=buffers,
+            peak_allocated=int(peak) if peak is not None else None,
+            reserved=int(res) if res is not None else None, capacity=capacity,
+        )  # fmt: skip
     return out
 
 
@@ -496,6 +530,7 @@ __all__ = [
     "collectives",
     "figures",
     "memory_by_rank",
+    "memory_waterfall",
     "missing_notes",
     "offload",
     "phase_spread",
@@ -503,4 +538,5 @@ __all__ = [
     "rank_spread",
     "step_breakdown",
     "training",
+    "waterfall_by_rank",
 ]

@@ -146,7 +146,8 @@ def run_view(
         pts = [s for s in st if s in nbytes and s in count and s in bw and count[s].p50 > 0]
         view.sizes[op] = SizePoints([nbytes[s].p50 / count[s].p50 for s in pts],
                                     [bw[s].p50 for s in pts], pts)  # fmt: skip
-    view.memory_peak, view.memory_state, view.memory_phases, view.capacity_bytes, theory = memory
+    (view.memory_peak, view.memory_state, view.memory_phases, view.capacity_bytes, theory,
+     view.memory_reserved) = memory  # fmt: skip
     if theory and not view.theory:
         view.theory = theory
     view.outliers = _outliers(db, pk, int(run["world_size"]), bounds[1])
@@ -227,16 +228,17 @@ def _memory(
     conn: Any, pk: int, last: int
 ) -> tuple[
     RankDistribution | None, dict[str, float], dict[str, Quantiles], float | None,
-    dict[str, float],
+    dict[str, float], tuple[float, float] | None,
 ]:  # fmt: skip
     """Memory over ranks at the newest step that measured it (within MEMORY_WINDOW steps):
     the peak's distribution, the median rank's model state by kind, each phase's peak, the
-    capacity the agents reported and the theory's model state by kind (from the rollups:
+    capacity the agents reported, the theory's model state by kind and the allocator's
+    reserved bytes (median and highest rank; None where not reported) (from the rollups:
     the cost does not grow with the ranks)."""
     first = max(0, last - MEMORY_WINDOW + 1)
     peak = rollups.read(conn, pk, ["memory.peak"], step_from=first, step_to=last)["memory.peak"]
     if not peak:
-        return None, {}, {}, None, {}
+        return None, {}, {}, None, {}, None
     step = max(peak)
     # Every metric of that one step (a hundred rollups; the live steps included).
     got = rollups.read(conn, pk, None, steps_in=[step], extra=True)
@@ -251,12 +253,14 @@ def _memory(
         if name.startswith("memory.peak.") and (st := per.get(step)) is not None
     }
     cap = got.get("memory.capacity", {}).get(step)
+    res = got.get("memory.reserved", {}).get(step)
     return (
         distribution(got["memory.peak"][step], step),
         p50s("memory.state."),
         phases,
         cap.max if cap is not None and cap.max > 0 else None,
         p50s("memory.theory."),
+        (res.p50, res.max) if res is not None and res.max > 0 else None,
     )
 
 

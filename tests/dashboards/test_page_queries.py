@@ -212,3 +212,39 @@ def test_the_outlier_table_lists_only_the_rank_that_stands_out(stored):
     assert view is not None
     slow = [o["rank"] for o in view.outliers if o["what"] == "slowest busy time"]
     assert slow == [1]
+
+
+def test_run_page_memory_waterfall_of_the_median_and_worst_rank_from_stored_steps(stored):
+    from zerowatch.dashboards.run import figures, waterfall_by_rank
+
+    from zerowatch import plan
+
+    db, rc, events = stored
+    view = pq.run_view(db=db, run_id=rc.run_id)
+    assert view is not None
+    at29 = [e for e in events if e.step == 29]
+    peaks = [max(e.memory.peak_by_phase.values()) for e in at29]
+    reserved = [e.memory.reserved_bytes for e in at29]
+    assert view.memory_reserved == pytest.approx(
+        (statistics.median(reserved), max(reserved)), rel=1e-6
+    )
+    bars = waterfall_by_rank(view)
+    assert set(bars) == {"median rank", "worst rank"}
+    state = sum(v for k, v in view.memory_state.items() if k in ev.STATE_KINDS)
+    z = rc.config["zero_optimization"]
+    buffers = sum(plan.buffer_bytes(rc.param_count, rc.precision, rc.zero_stage,
+                                    **{k: z[k] for k in ("reduce_bucket_size",
+                                                         "allgather_bucket_size",
+                                                         "stage3_prefetch_bucket_size",
+                                                         "stage3_max_live_parameters",
+                                                         "overlap_comm") if k in z}).values())  # fmt: skip
+    worst = bars["worst rank"]
+    assert worst["theory"] == sum(v for k, v in rc.theory.items() if k in ev.STATE_KINDS)
+    assert worst["model_state"] == int(state)
+    assert worst["comm_buffers"] == buffers
+    assert worst["activations"] == pytest.approx(max(max(peaks) - state - buffers, 0), abs=2)
+    assert worst["allocator_reserve"] == pytest.approx(max(max(reserved) - max(peaks), 0), abs=2)
+    assert bars["median rank"]["activations"] <= worst["activations"]
+    fig = figures(view)["waterfall"]
+    assert [t.name for t in fig.data] == ["median rank", "worst rank"]
+    assert list(fig.data[1].x)[-1] == "allocator reserve + fragmentation"
