@@ -150,10 +150,9 @@ def hang(
         })  # fmt: skip
     culprits = sorted(set(never) | set(silent))
     what = _fmt_call(op, numel, dtype)
-    parts = [
-        f"Hang: {ranks_text(waiting)} wait{'s' if len(waiting) == 1 else ''} in {what} "
-        f"#{seq} on group {group} for {max(now - started, 0.0):.0f} s"
-    ]
+    who = (f"{ranks_text(waiting)} waits" if len(waiting) == 1
+           else f"{len(waiting):,} ranks ({ranks_text(waiting)}) wait")  # fmt: skip
+    parts = [f"Hang: {who} in {what} #{seq} on group {group} for {max(now - started, 0.0):.0f} s"]
     for st in stacks:
         ranks = st["ranks"]
         n = len(ranks)

@@ -103,3 +103,18 @@ def test_heartbeats_of_an_unknown_run_or_rank_are_refused(client) -> None:
     bad = codec.dumps({"heartbeats": [codec.to_dict(simulate.heartbeat(spec, 2, t=0.0))]})
     r = client.post(f"/api/v1/runs/{run_id}/heartbeats", content=bad, headers=JSON)
     assert r.status_code == 422 and "rank" in r.text
+
+
+def test_the_run_page_shows_a_hang_as_a_banner_naming_the_ranks_and_their_stack(client) -> None:
+    spec = simulate.SimSpec(world_size=16, hang_at=3, hang_ranks=(9,), node_ids=True)
+    run_id = _create(client, spec)
+    for events in simulate.steps(spec, 3):
+        batch = ev.EventBatch(run_id, events)
+        client.post(f"/api/v1/runs/{run_id}/events", content=codec.dumps(codec.to_dict(batch)),
+                    headers=JSON).raise_for_status()  # fmt: skip
+    post_heartbeats(client, spec, run_id)
+    page = client.get(f"/runs/{run_id}")
+    assert page.status_code == 200
+    banner = page.text.split('id="banner-hang"', 1)[1].split("</section>", 1)[0]
+    assert "rank 9" in banner and "next_batch (data/loader.py:57)" in banner
+    assert "Hang: 15 ranks (ranks 0, 1," in banner and ") wait in reduce_scatter" in banner
