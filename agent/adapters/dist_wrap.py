@@ -39,6 +39,11 @@ the functions up on the module at each call. An async call is reported when the 
 waits on its work (`work.wait()`, as DeepSpeed and FSDP2 do); work only ever waited on
 through its future is not reported.
 
+Each call is numbered per process group (1, 2, ... in the order the rank issues them, the
+same on every rank while the ranks agree) and announced to the taps' `launch` before it is
+issued, so the agent's flight recorder (agent/probes/flight.py) knows a collective that
+never completes; its record carries the same (group, seq).
+
 Not seen: DeepSpeed's shared-memory all-reduce (`deepspeed.comm.inference_all_reduce`,
 used by AutoTP inference layers, not by ZeRO training), point-to-point sends, `reduce`,
 `all_to_all` and `barrier` (none of them is in zerowatch's vocabulary of collectives).
@@ -176,8 +181,9 @@ class TimedWork(dist.Work):
     """
 
     def __init__(self, inner: Any, hub: _Hub, op: str, nbytes: int, world: int, start: float,
-                 purpose: str, cuda_launched: Any) -> None:  # fmt: skip
+                 purpose: str, cuda_launched: Any, group: str = "", seq: int = 0) -> None:  # fmt: skip
         super().__init__()
+        self._group, self._seq = group, seq
         self._inner = inner
         self._hub = hub
         self._op, self._nbytes, self._world, self._start = op, nbytes, world, start
@@ -206,7 +212,8 @@ class TimedWork(dist.Work):
         end = t0 if done_before else t1
         try:
             self._hub.emit(self._op, self._purpose, self._nbytes, self._world, self._start, end,
-                           True, t1 - t0, cuda_events, cuda_exposed)  # fmt: skip
+                           True, t1 - t0, cuda_events, cuda_exposed, self._group,
+                           self._seq)  # fmt: skip
         except Exception:
             self._hub._error(self._op)
         return bool(result) if result is not None else True
@@ -227,7 +234,8 @@ class TimedWork(dist.Work):
             cuda_events = (self._cuda, end)
         try:
             self._hub.emit(self._op, self._purpose, self._nbytes, self._world, self._start,
-                           time.perf_counter(), True, 0.0, cuda_events)  # fmt: skip
+                           time.perf_counter(), True, 0.0, cuda_events, None, self._group,
+                           self._seq)  # fmt: skip
         except Exception:
             self._hub._error(self._op)
 
@@ -266,6 +274,8 @@ class _Hub:
         #: (namespace, name) -> (original, wrapper)
         self.installed: dict[tuple[Any, str], tuple[Any, Any]] = {}
         self.world = _WorldSizes()
+        #: id(group) -> [its name, collectives issued on it, the group] while installed.
+        self.seqs: dict[int, list[Any]] = {}
         self.errors = 0
 
     # -- reporting -------------------------------------------------------------------------
@@ -276,15 +286,37 @@ class _Hub:
 
     def emit(self, op: str, purpose: str, nbytes: int, world: int, start: float, end: float,
              async_op: bool, exposed: float, cuda_events: Any,
-             cuda_exposed: Any = None) -> None:  # fmt: skip
+             cuda_exposed: Any = None, group: str = "", seq: int = 0) -> None:  # fmt: skip
         rec = CollectiveRecord(op=op, purpose=purpose, nbytes=nbytes, world_size=world,
                                start=start, end=end, async_op=async_op, exposed_s=exposed,
-                               cuda_events=cuda_events, cuda_exposed=cuda_exposed)  # fmt: skip
+                               cuda_events=cuda_events, cuda_exposed=cuda_exposed,
+                               group=group, seq=seq)  # fmt: skip
         for tap in self.taps:
             try:
                 tap.sink(rec)
             except Exception:  # a listener must never break training
                 self._error("sink")
+
+    def launch(self, group: Any, op: str, sized: Any, start: float) -> tuple[str, int]:
+        """Number the call on its group and announce it to the taps that listen for
+        launches; returns (group name, seq)."""
+        entry = self.seqs.get(id(group))
+        if entry is None or entry[2] is not group:
+            pg = group if group is not None else dist.group.WORLD
+            entry = self.seqs[id(group)] = [str(getattr(pg, "group_name", "") or "0"), 0, group]
+        entry[1] += 1
+        name, seq = entry[0], entry[1]
+        first = sized[0] if isinstance(sized, (list, tuple)) and sized else sized
+        numel = sum(int(t.numel()) for t in sized) if isinstance(sized, (list, tuple)) else (
+            int(sized.numel()) if isinstance(sized, torch.Tensor) else 0)  # fmt: skip
+        dtype = first.dtype if isinstance(first, torch.Tensor) else None
+        for tap in self.taps:
+            if tap.launch is not None:
+                try:
+                    tap.launch(name, seq, op, numel, dtype, start)
+                except Exception:  # a listener must never break training
+                    self._error("launch")
+        return name, seq
 
     def _error(self, where: str) -> None:
         self.errors += 1
@@ -319,8 +351,13 @@ class _Hub:
             if cuda:
                 cuda_start = _cuda_event()
                 cuda_start.record()
-            _local.depth += 1
             start = time.perf_counter()
+            try:
+                name, seq = hub.launch(group, spec.op, sized, start)
+            except Exception:
+                hub._error(spec.op)
+                name, seq = "", 0
+            _local.depth += 1
             try:
                 work = orig(*args, **kwargs)
             finally:
@@ -329,7 +366,7 @@ class _Hub:
             try:
                 if async_op and isinstance(work, dist.Work) and not isinstance(work, _DEFERRED):
                     return TimedWork(work, hub, spec.op, nbytes, world, start, purpose,
-                                     cuda_start)  # fmt: skip
+                                     cuda_start, name, seq)  # fmt: skip
                 cuda_events = None
                 if cuda_start is not None:
                     # Synchronous: the launching stream waited from the launch to the end.
@@ -337,7 +374,7 @@ class _Hub:
                     end_ev.record()
                     cuda_events = (cuda_start, end_ev)
                 hub.emit(spec.op, purpose, nbytes, world, start, end, False, end - start,
-                         cuda_events, cuda_events)  # fmt: skip
+                         cuda_events, cuda_events, name, seq)  # fmt: skip
             except Exception:
                 hub._error(spec.op)
             return work
@@ -389,6 +426,7 @@ class _Hub:
                             "leaving the replacement in place", name)  # fmt: skip
         self.installed.clear()
         self.world.clear()
+        self.seqs.clear()
 
     def add(self, tap: CollectiveTap) -> None:
         with self.lock:
@@ -413,11 +451,15 @@ class CollectiveTap:
         classify: op -> purpose ("param_fetch", "grad_reduce", "optimizer_gather",
             "other"), asked on the calling thread at the time of the call.
         sink: receives each `CollectiveRecord` once the call has completed.
+        launch: called with (group name, seq, op, elements, dtype, start) as each call is
+            issued, before it can block (optional: the flight recorder's).
     """
 
-    def __init__(self, classify: Classifier, sink: Sink) -> None:
+    def __init__(self, classify: Classifier, sink: Sink,
+                 launch: Callable[..., None] | None = None) -> None:  # fmt: skip
         self.classify = classify
         self.sink = sink
+        self.launch = launch
         self._open = False
 
     def open(self) -> None:

@@ -44,7 +44,7 @@ class PhaseBoard:
         self.observers = ObserverRegistry()
         self._open: dict[str, int] = {}
         self.in_step = False
-        self.tap = CollectiveTap(self.classify, self._on_collective)
+        self.tap = CollectiveTap(self.classify, self._on_collective, self._on_launch)
 
     # -- observers -------------------------------------------------------------------------
 
@@ -68,6 +68,10 @@ class PhaseBoard:
 
     def _on_collective(self, rec: CollectiveRecord) -> None:
         self.observers.call("on_collective", rec)
+
+    def _on_launch(self, group: str, seq: int, op: str, numel: int, dtype: Any,
+                   t: float) -> None:  # fmt: skip
+        self.observers.call("on_collective_launch", group, seq, op, numel, dtype, t)
 
     # -- phases ----------------------------------------------------------------------------
 

@@ -61,3 +61,34 @@ def one_extra_collective(rank: int, world: int, server: str, spool_root: str, ex
                     f.write(f"{run.id} {s}\n")
             time.sleep(0.01)
     return {"run_id": run.id}
+
+
+def wrapped_calls_numbered(rank: int, world: int) -> dict[str, Any]:
+    """torch.distributed's collectives through dist_wrap (as DeepSpeed's and FSDP2's
+    reach them): each announced before it is issued, numbered per group, and its record
+    carrying the same (group, seq); a flight recorder fed by the tap sees them complete."""
+    import torch.distributed as dist
+    from zerowatch.agent.adapters.dist_wrap import CollectiveTap
+    from zerowatch.agent.probes.flight import FlightRecorder
+
+    flight = FlightRecorder()
+    launches: list[tuple[str, int, str, int, str]] = []
+    records: list[tuple[str, int, str]] = []
+
+    def launch(group: str, seq: int, op: str, numel: int, dtype: Any, t: float) -> None:
+        launches.append((group, seq, op, numel, str(dtype)))
+        flight.on_collective_launch(group, seq, op, numel, dtype, t)
+
+    def sink(rec: Any) -> None:
+        records.append((rec.group, rec.seq, rec.op))
+        flight.on_collective(rec)
+
+    tap = CollectiveTap(lambda op: "other", sink, launch)
+    tap.open()
+    try:
+        dist.all_reduce(torch.ones(10))
+        dist.all_reduce(torch.ones(4), async_op=True).wait()
+        dist.broadcast(torch.ones(3, dtype=torch.float64), src=0)
+    finally:
+        tap.close()
+    return {"launches": launches, "records": records, "flight": flight.snapshot(0.0)}

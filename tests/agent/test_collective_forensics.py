@@ -18,8 +18,13 @@ from typing import Any
 import httpx
 import pytest
 import torch.multiprocessing as mp
-from forensics_jobs import hangs_in_loader, load_batch, one_extra_collective
-from support.engine_harness import _entry
+from forensics_jobs import (
+    hangs_in_loader,
+    load_batch,
+    one_extra_collective,
+    wrapped_calls_numbered,
+)
+from support.engine_harness import _entry, run_ranks
 from support.live_server import LiveServer
 
 pytestmark = pytest.mark.slow
@@ -78,6 +83,9 @@ def test_rank_stuck_in_its_loader_is_named_with_its_stack_while_the_other_waits(
                                       12, str(steps_file)) as procs:  # fmt: skip
         run_id, hang, after_s = _wait_for_finding(server, steps_file, "hang", 60, 11)
         assert after_s < 60, after_s
+        print(
+            f"\nhang named {after_s:.1f} s after rank 0's last step:\n{json.dumps(hang, indent=1)}"
+        )
         assert hang["severity"] == "critical"
         assert hang["ranks"] == [1]
         coll = hang["evidence"]["collective"]
@@ -119,6 +127,7 @@ def test_a_collective_issued_on_one_rank_only_is_a_desync_naming_both_ops(tmp_pa
     with LiveServer() as server, _job(one_extra_collective, server.url, str(tmp_path / "spool"),
                                       1, 8, str(steps_file)):  # fmt: skip
         _, desync, _ = _wait_for_finding(server, steps_file, "desync", 60, 7)
+        print(f"\n{json.dumps(desync, indent=1)}")
         assert desync["severity"] == "critical"
         assert sorted(desync["ranks"]) == [0, 1]
         variants = {tuple(v["ranks"]): v for v in desync["evidence"]["variants"]}
@@ -128,3 +137,16 @@ def test_a_collective_issued_on_one_rank_only_is_a_desync_naming_both_ops(tmp_pa
             "rank 0: " in desync["message"]
             and "rank 1: all_reduce of 3 float32" in desync["message"]
         )
+
+
+def test_collectives_through_dist_wrap_are_numbered_and_announced_before_they_run():
+    for res in run_ranks(wrapped_calls_numbered, WORLD):
+        assert res["launches"] == [("0", 1, "all_reduce", 10, "torch.float32"),
+                                   ("0", 2, "all_reduce", 4, "torch.float32"),
+                                   ("0", 3, "broadcast", 3, "torch.float64")]  # fmt: skip
+        assert res["records"] == [("0", 1, "all_reduce"), ("0", 2, "all_reduce"),
+                                  ("0", 3, "broadcast")]  # fmt: skip
+        group = res["flight"]["0"]
+        assert (group["launched"], group["completed"]) == (3, 3)
+        assert [c[4] for c in group["calls"]] == ["completed"] * 3
+        assert group["calls"][2][1:4] == ["broadcast", 3, "float64"]
