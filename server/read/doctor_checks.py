@@ -618,28 +618,30 @@ def nonfinite(e: Evidence, s: DoctorSettings) -> list[Finding]:
     skipped = dict(_ordered(e.signals.get("skipped"), "max"))
     steps = [st for st, v in bad if v > 0 and not skipped.get(st)]
     origin = e.origin
+    how = "that was not skipped: the weights may hold NaN from there on"
     if not steps and origin.get("forward_module"):
         # Skipped by the loss scaler, but born in a module's forward: still worth naming.
         steps = [st for st, v in bad if v > 0]
+        how = "(the loss scaler skipped them; the forward will make NaN again)"
     if not steps:
         return []
     rank = origin.get("first_rank", _typical(e.signals.get("nonfinite"), "max_rank"))
     began = ""
-    if origin.get("first_module"):
-        began = (f" It began on rank {origin['first_rank']} in {origin['first_module']}"
-                 f" (step {origin.get('first_step', origin.get('forward_step'))}).")  # fmt: skip
     if origin.get("forward_module"):
-        began += (f" The first module whose forward output was not finite: "
-                  f"{origin['forward_module']} (rank {origin['forward_rank']}, step "
-                  f"{origin['forward_step']}).")  # fmt: skip
+        began = (f" It began on rank {origin['forward_rank']} in {origin['forward_module']}: "
+                 "the first module whose forward output was not finite (traced at step "
+                 f"{origin['forward_step']}).")  # fmt: skip
+    elif origin.get("first_module"):
+        began = (f" It began on rank {origin['first_rank']} in {origin['first_module']}"
+                 f" (step {origin['first_step']}: its local gradients, before the "
+                 "reduction).")  # fmt: skip
     return [
         Finding(
             kind="nonfinite",
             severity="critical",
             ranks=(rank,) if rank is not None else (),
             steps=(steps[0], steps[-1]),
-            message=f"{len(steps)} step(s) had a non-finite loss or gradient that was not "
-            f"skipped: the weights may hold NaN from there on.{began}",
+            message=f"{len(steps)} step(s) had a non-finite loss or gradient {how}.{began}",
             suggestion="Roll back to the checkpoint before the first such step; look for a "
             "bad batch, a division by zero or log(0) in the loss, a learning rate spike; "
             "enable gradient clipping.",

@@ -11,8 +11,10 @@ Two reads whose cost follows what went wrong, not the run's length:
 `crash_findings` turns the first into `crash` findings; `origin` condenses the second into
 the `nonfinite` finding's evidence: the first step, the first rank and module where the
 gradients went non-finite before the reduction, the ranks' local gradient norms (a rank
-that departs from its peers named), the first module whose forward output was not finite,
-and the batch ids the ranks logged.
+that departs from its peers named), the first module whose forward output was not finite
+(which, where there is one, is the origin: `first_rank` and `first_module` name it, and
+`grad_rank` / `grad_module` keep what the gradients said), and the batch ids the ranks
+logged.
 """
 
 from __future__ import annotations
@@ -78,8 +80,11 @@ def origin(rows: list[dict[str, Any]]) -> dict[str, Any]:
         f = min(forward, key=lambda r: (r["step"], r["rank"]))
         out.update(forward_module=f["forward_module"], forward_rank=f["rank"],
                    forward_step=f["step"])  # fmt: skip
-        if not grads:
-            out.update(first_rank=f["rank"], first_module=f["forward_module"])
+        # Born in a forward (from finite inputs and weights): the gradients' non-finite
+        # modules are its consequence (a NaN loss spoils every gradient of its rank).
+        if grads:
+            out.update(grad_rank=out["first_rank"], grad_module=out["first_module"])
+        out.update(first_rank=f["rank"], first_module=f["forward_module"])
     ids = {str(r["rank"]): r["batch_ids"] for r in rows
            if r.get("batch_ids") and r["step"] == out.get("first_step", r["step"])}  # fmt: skip
     if ids:

@@ -79,5 +79,7 @@ def test_nan_born_in_a_forward_is_traced_to_the_module_that_made_it(tmp_path):
         ev = nan["evidence"]
         assert ev["forward_module"] == "blocks.1.fc"
         assert ev["forward_rank"] == 1 and ev["forward_step"] == 7  # the step that repeated it
-        assert ev["first_rank"] == 1
-        assert "blocks.1.fc" in nan["message"]
+        # The origin: the module, not the gradients its NaN loss spoiled (all of rank 1's).
+        assert ev["first_rank"] == 1 and ev["first_module"] == "blocks.1.fc"
+        assert ev["grad_rank"] == 1 and ev["grad_module"] == "tok_emb"
+        assert "rank 1 in blocks.1.fc" in nan["message"]
