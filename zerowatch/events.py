@@ -478,6 +478,8 @@ class RunCreate:
 class Frame:
     """One frame of a Python stack: where a thread is."""
 
+    __pydantic_config__ = _FINITE
+
     file: str
     function: str
     line: int
@@ -487,13 +489,17 @@ class Frame:
 class GroupFlight:
     """A rank's view of one process group's collectives (its flight recorder)."""
 
+    __pydantic_config__ = _FINITE
+
     #: Number of the last collective this rank issued on the group (1, 2, ...: the same
     #: collective has the same number on every rank), and of the last that completed.
     launched: int = 0
     completed: int = 0
     #: The newest calls, oldest first: [seq, op, elements, dtype, "launched" | "completed",
     #: launched at, completed at or None] (unix seconds on rank 0's clock).
-    calls: list[list[Any]] = field(default_factory=list)
+    calls: list[
+        tuple[int, str, int, str, Literal["launched", "completed"], float, float | None]
+    ] = field(default_factory=list)
 
 
 @dataclass
@@ -501,6 +507,8 @@ class Heartbeat:
     """Sent by a rank's shipper thread every few seconds, whatever its training thread does
     (`POST /api/v1/runs/{run_id}/heartbeats`, not an event: the server keeps the newest of
     each rank). The collective forensics (docs/forensics.md) read it."""
+
+    __pydantic_config__ = _FINITE
 
     rank: int
     #: When it was sent (unix seconds, rank 0's clock).

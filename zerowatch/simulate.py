@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from zerowatch import events as ev
 from zerowatch import theory
@@ -304,10 +305,11 @@ def heartbeat(spec: SimSpec, rank: int, *, t: float, step: int | None = None,
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(spec.precision, "float32")
     elements = max(int(sizes.get(op, 4 * per) // per // 2), 1)
     start = t - stalled_s
-    calls = [[s, op, elements, dtype, "completed", start - (done - s + 1) * 0.01,
-              start - (done - s) * 0.01] for s in range(max(done - 7, 1), done + 1)]  # fmt: skip
+    calls: list[Any] = [(s, op, elements, dtype, "completed", start - (done - s + 1) * 0.01,
+                         start - (done - s) * 0.01)
+                        for s in range(max(done - 7, 1), done + 1)]  # fmt: skip
     if waits:
-        calls = [*calls[1:], [done + 1, op, elements, dtype, "launched", start, None]]
+        calls = [*calls[1:], (done + 1, op, elements, dtype, "launched", start, None)]
     stalled = spec.hang_at is not None and stalled_s > 0
     return ev.Heartbeat(
         rank=rank, time=t, last_step=step - 1 if step else None, last_step_end=start,
