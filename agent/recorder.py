@@ -324,14 +324,17 @@ class StepRecorder:
 
         collectives = self._collectives
 
-        flight_done = self.flight.on_collective
+        rings = self.flight.rings
 
         def on_collective(record: Any, pending: list[Any] = collectives.pending,
-                          done: Callable[[Any], None] = flight_done) -> None:  # fmt: skip
+                          rings: dict[str, Any] = rings) -> None:  # fmt: skip
             # One append: the aggregator's bound on a long step is checked on the shipper
-            # thread (`tidy`), not here. The flight recorder marks the call completed.
+            # thread (`tidy`), not here. The flight recorder's group counts it completed
+            # (inlined: `FlightRecorder.on_collective` is the same, a call frame less).
             pending.append(record)
-            done(record)
+            ring = rings.get(record.group)
+            if ring is not None and record.seq > ring.completed:
+                ring.completed = record.seq
 
         def rebind() -> None:
             """Point the callbacks at the probes' lists again: taking a step on the host
@@ -341,7 +344,7 @@ class StepRecorder:
             on_phase_start.__defaults__ = (defaults[0], log, *defaults[2:])
             defaults = on_phase_end.__defaults__ or ()
             on_phase_end.__defaults__ = (defaults[0], log, *defaults[2:])
-            on_collective.__defaults__ = (collectives.pending, flight_done)
+            on_collective.__defaults__ = (collectives.pending, rings)
 
         self.on_phase_start = on_phase_start
         self.on_phase_end = on_phase_end

@@ -196,7 +196,8 @@ class Accounted:
     def __init__(self, recorder: Any) -> None:
         self.cpu_s = 0.0
         self.calls = 0
-        for name in ("on_phase_start", "on_phase_end", "on_collective", "on_offload"):
+        for name in ("on_phase_start", "on_phase_end", "on_collective", "on_collective_launch",
+                     "on_offload"):  # fmt: skip
             setattr(self, name, self._timed(getattr(recorder, name)))
 
     def _timed(self, fn: Any) -> Any:
@@ -253,7 +254,7 @@ class _Empty:
     def on_phase_start(self, *_: Any) -> None:
         pass
 
-    on_phase_end = on_collective = on_offload = on_phase_start
+    on_phase_end = on_collective = on_collective_launch = on_offload = on_phase_start
 
 
 def measure_stage(rank: int, stage: int, layers: int, args: argparse.Namespace,

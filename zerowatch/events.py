@@ -496,7 +496,7 @@ class GroupFlight:
     launched: int = 0
     completed: int = 0
     #: The newest calls, oldest first: [seq, op, elements, dtype, "launched" | "completed",
-    #: launched at, completed at or None] (unix seconds on rank 0's clock).
+    #: launched at, None] (unix seconds on rank 0's clock; the completion's time is not kept).
     calls: list[
         tuple[int, str, int, str, Literal["launched", "completed"], float, float | None]
     ] = field(default_factory=list)
