@@ -126,9 +126,20 @@ class ZeroWatchEngineAdapter:
 
     def attach(self, observer: Any) -> None:
         self.engine.add_observer(observer)
+        self._local_grads(True)
 
     def detach(self, observer: Any) -> None:
         self.engine.remove_observer(observer)
+        self._local_grads(False)
+
+    def _local_grads(self, on: bool) -> None:
+        """The engine notes each rank's gradients before the reduction (a norm pass per
+        bucket) only while the agent is there to read them (forensics)."""
+        local = getattr(self.engine, "local_grads", None)
+        if local is not None:
+            local.enabled = on
+            if not on:
+                local.discard()
 
     def model_state_bytes(self) -> dict[str, int]:
         return {str(k): int(v) for k, v in self.engine.model_state_bytes().items()}

@@ -71,7 +71,9 @@ class LocalGrads:
 
     def __init__(self, order: dict[str, int]) -> None:
         self.order = order
-        self.enabled = True
+        #: Off until an observer that reads the norms asks for them (the agent's adapter):
+        #: the bare engine pays no norm pass.
+        self.enabled = False
         self._names: list[tuple[str, ...]] = []
         self._norms: list[torch.Tensor] = []
 
