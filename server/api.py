@@ -192,10 +192,11 @@ async def ingest(run_id: RunId, batch: ev.EventBatch, request: Request) -> JSONR
     tags=["ingest"],
     responses={404: {"description": "unknown run"}},
 )
-def heartbeat(run_id: RunId, batch: ev.HeartbeatBatch, db: DbDep) -> dict[str, Any]:
+def heartbeat(run_id: RunId, batch: ev.HeartbeatBatch, request: Request) -> dict[str, Any]:
     """Keep each rank's newest heartbeat (its last step, phase, collectives, stack)."""
+    writer: heartbeats.HeartbeatWriter = request.app.state.heartbeats
     with _refused():
-        stored = heartbeats.store_heartbeats(db, run_id=run_id, batch=batch)
+        stored = writer.submit(run_id=run_id, batch=batch)
     return {"stored": _found(stored, run_id)}
 
 

@@ -37,6 +37,7 @@ from zerowatch.server import api, db_errors
 from zerowatch.server.admission import Admission, AdmissionMiddleware
 from zerowatch.server.db import Database
 from zerowatch.server.deps import require_read
+from zerowatch.server.heartbeats import HeartbeatWriter
 from zerowatch.server.ingest import Ingestor
 from zerowatch.server.ingest_path import IngestFastPath
 from zerowatch.server.metrics import exposition
@@ -233,6 +234,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         gc.set_threshold(*thresholds)
         gc.unfreeze()  # an app that ends (tests start many) leaves nothing pinned behind
         ingestor.close()
+        await run_in_threadpool(beats.close)
         await run_in_threadpool(compactor.close)
         db.close()
 
@@ -249,6 +251,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.ingestor = ingestor = Ingestor(
         db, trace_sample_every=settings.trace_sample_every, gate=gate
     )
+    app.state.heartbeats = beats = HeartbeatWriter(db)
     app.state.read_gate = gate
     app.state.admission = admission = Admission(settings.ingest_max_pending)
     app.ingest_fast_path = IngestFastPath(functools.partial(FastAPI.__call__, app), app.state)

@@ -27,6 +27,7 @@ JSON = {"Content-Type": "application/json"}
 
 
 def _findings(client: TestClient, run_id: str) -> list[dict]:
+    client.app.state.heartbeats.flush()  # type: ignore[attr-defined]  # (written each second)
     r = client.get(f"/api/v1/runs/{run_id}/findings")
     r.raise_for_status()
     return r.json()["findings"]
@@ -113,6 +114,7 @@ def test_the_run_page_shows_a_hang_as_a_banner_naming_the_ranks_and_their_stack(
         client.post(f"/api/v1/runs/{run_id}/events", content=codec.dumps(codec.to_dict(batch)),
                     headers=JSON).raise_for_status()  # fmt: skip
     post_heartbeats(client, spec, run_id)
+    client.app.state.heartbeats.flush()  # type: ignore[attr-defined]
     page = client.get(f"/runs/{run_id}")
     assert page.status_code == 200
     banner = page.text.split('id="banner-hang"', 1)[1].split("</section>", 1)[0]
