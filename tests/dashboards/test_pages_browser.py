@@ -18,7 +18,7 @@ from zerowatch import simulate as sim
 pytestmark = pytest.mark.slow
 
 RUN_CHARTS = {"breakdown", "spread", "phases", "collectives", "bandwidth", "memory", "training",
-              "ranks"}  # fmt: skip
+              "ranks", "waterfall"}  # fmt: skip
 
 
 def test_run_page_follows_a_real_run_live_as_it_trains(seeded, probe):

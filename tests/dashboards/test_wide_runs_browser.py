@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 STEPS = 8
 RUN_CHARTS = {"breakdown", "spread", "phases", "collectives", "bandwidth", "memory", "training",
-              "ranks"}  # fmt: skip
+              "ranks", "waterfall"}  # fmt: skip
 
 
 def _store(db_url: str, world: int, straggler: int) -> tuple[str, sim.SimSpec]:
