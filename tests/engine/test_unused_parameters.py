@@ -139,3 +139,19 @@ def test_every_rank_issues_the_same_collectives_whatever_its_unused_parameters(
                 f"{seq[diverged or 0]} where rank 0 issues {want[diverged or 0]} (call "
                 f"{diverged}; {len(seq)} vs {len(want)})"
             )
+
+
+def test_stage3_gives_its_gradient_group_back_when_destroyed() -> None:
+    """Stage 3's second process group (and, over gloo, its ring's thread) goes with the
+    engine: a process that builds engine after engine does not collect communicators."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        engine, *_ = zerowatch.initialize(model=make_model(), config=config(3, overlap=True))
+        grads = engine.grad_comm
+        assert grads is not None and grads.group is not None
+        assert grads.group in dist.distributed_c10d._world.pg_map
+        engine.destroy()
+        assert grads.group not in dist.distributed_c10d._world.pg_map
+        assert engine.grad_comm is None
+    finally:
+        dist.destroy_process_group()

@@ -244,6 +244,7 @@ class Comm:
     def __init__(self, observers: ObserverRegistry, group: Any = None) -> None:
         self.observers = observers
         self.group = group
+        self._owns_group = False  # made by `twin`: `close` destroys it
         self.enabled = dist.is_available() and dist.is_initialized()
         #: The group's name, the same on every rank ("0" for the default group).
         self.group_name = group_name(group) if self.enabled else "0"
@@ -270,7 +271,21 @@ class Comm:
         if not self.enabled or self.world_size == 1:
             return Comm(self.observers, self.group)
         ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
-        return Comm(self.observers, dist.new_group(ranks))
+        twin = Comm(self.observers, dist.new_group(ranks))
+        twin._owns_group = True
+        return twin
+
+    def close(self) -> None:
+        """Let go of a group this Comm made (`twin`): its gloo ring's thread and, on NCCL,
+        its communicator. Idempotent; a Comm over the caller's group keeps it."""
+        if not self._owns_group or self.group is None:
+            return
+        ring = _RINGS.pop(id(self.group), None)
+        if ring is not None:
+            ring.pool.shutdown(wait=True)
+        if dist.is_initialized():
+            dist.destroy_process_group(self.group)
+        self._owns_group = False
 
     # -- reporting -------------------------------------------------------------------------
 

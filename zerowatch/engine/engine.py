@@ -193,9 +193,11 @@ class ZeroEngine:
             self.collective_calls["management_s"] = {str(st): v for st, v in manage.items()}
             if 3 in manage:  # the one figure of the agents and servers before the table
                 self.collective_calls["stage3_management_s"] = manage[3]
+        #: Stage 3 reduces gradients on a process group of its own (docs/gpu.md).
+        self.grad_comm = self.comm.twin() if self.zero_stage == 3 else None
         self.parts = compose(self.zero_stage, module, params, zc, self.comm, self.phases,
                              device=self.device, dtype=self.dtype,
-                             grad_comm=self.comm.twin() if self.zero_stage == 3 else None)  # fmt: skip
+                             grad_comm=self.grad_comm)  # fmt: skip
         # Called by destroy(), or when this engine is collected: it holds the parts, not
         # the engine, so it does not keep a discarded engine alive.
         self._unhook = weakref.finalize(self, self.parts.remove_hooks)
@@ -252,6 +254,9 @@ class ZeroEngine:
         engine's collectives afterwards. Idempotent; the engine is not usable after it."""
         self._unhook()
         _gathered.unregister(self)
+        if self.grad_comm is not None:
+            self.grad_comm.close()
+            self.grad_comm = None
 
     def _adopt_partitioned(self, module: nn.Module, params: ParamList, zc: Any) -> set[int]:
         """For a model built under zero.Init: check the stage, make whole the partitioned
