@@ -241,6 +241,10 @@ def test_every_command_the_readme_shows_works_as_written(fresh: tuple[Path, str]
                                       capture_output=True, text=True, timeout=60)  # fmt: skip
             elif c.startswith("torchrun ") and "--rdzv-endpoint" in c:
                 proc = shell.run(c.replace("torchrun ", "torchrun --help ", 1))
+            elif c.startswith("torchrun ") and "zerowatch.selftest" in c:
+                # A node's eight GPUs are two CPU ranks here.
+                proc = shell.run(re.sub(r"--nproc-per-node \d+", "--nproc-per-node 2", c),
+                                 timeout_s=180)  # fmt: skip
             elif c.startswith(("zerowatch ", "torchrun ")):
                 proc = shell.run(filled(c), timeout_s=120)
             else:
@@ -250,8 +254,10 @@ def test_every_command_the_readme_shows_works_as_written(fresh: tuple[Path, str]
             )
             if c == "zerowatch runs":
                 assert run_id in proc.stdout, proc.stdout
-            if c.startswith("torchrun --nproc-per-node"):
+            if c.startswith("torchrun --nproc-per-node") and "train.py" in c:
                 assert "rank 0 of" in proc.stdout, proc.stdout
+            if "selftest" in c:
+                assert "zerowatch selftest" in proc.stdout and ": PASS" in proc.stdout, proc.stdout
     finally:
         shell.stop(server)
     assert ran == set(commands)
