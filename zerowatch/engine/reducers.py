@@ -47,10 +47,15 @@ from zerowatch.engine.flat import Segment
 from zerowatch.engine.forensics import LocalGrads
 from zerowatch.engine.phases import Phases
 
+#: Nodes whose backward runs a graph of its own, out of the walk's sight (torch's reentrant
+#: activation checkpoint): behind one, any parameter may still get a gradient.
+_OPAQUE = frozenset({"CheckpointFunctionBackward"})
 
-def params_in_graph(roots: list[torch.Tensor]) -> set[int]:
+
+def params_in_graph(roots: list[torch.Tensor]) -> set[int] | None:
     """ids of the leaf tensors (parameters) a backward from `roots` will reach: DDP's
-    search for unused parameters, a walk of the autograd graph's nodes."""
+    search for unused parameters, a walk of the autograd graph's nodes. None when the graph
+    holds a node that runs a backward of its own (reentrant checkpointing): unknown."""
     found: set[int] = set()
     seen: set[object] = set()
     stack: list[Any] = [t.grad_fn for t in roots if t.grad_fn is not None]
@@ -58,6 +63,8 @@ def params_in_graph(roots: list[torch.Tensor]) -> set[int]:
         fn = stack.pop()
         if fn is None or fn in seen:
             continue
+        if type(fn).__name__ in _OPAQUE:
+            return None
         seen.add(fn)
         leaf = getattr(fn, "variable", None)  # AccumulateGrad: the parameter it writes
         if leaf is not None:
@@ -107,6 +114,13 @@ class _ReadyTracker:
         """The segment `param` completed (None if still incomplete), and the segments that
         may be issued now, in order."""
         seg = self.segment_of[param]
+        if self.remaining[seg.index] <= 0:
+            name = next((s.name for s in seg.slots if s.param is param), "a parameter")
+            raise RuntimeError(
+                f"zerowatch: the gradient of {name} arrived after its segment was reduced "
+                "(the walk of the autograd graph did not see it: a custom autograd node that "
+                "runs its own backward?); it would be lost"
+            )
         self.remaining[seg.index] -= 1
         done = seg if self.remaining[seg.index] == 0 else None
         return done, self._issuable() if done is not None else []
