@@ -143,18 +143,12 @@ def scaled(values: Iterable[float | None], factor: float) -> list[float | None]:
 # -- layout ---------------------------------------------------------------------------------
 
 
-#: Axis look of every chart (plotly_white's grid), applied to subplot axes by `style_axes`.
+#: Axis look of every chart (plotly_white's grid): `base_layout`, `rows_figure`,
+#: `grid_figure` and a page's extra axes spread it into each axis.
 AXIS_STYLE: dict[str, object] = {
     "gridcolor": "#EBF0F8", "linecolor": "#EBF0F8", "zerolinecolor": "#EBF0F8",
     "zerolinewidth": 2, "automargin": True, "showline": False, "ticks": "",
 }  # fmt: skip
-
-
-def style_axes(fig: go.Figure) -> go.Figure:
-    """Give every axis of a figure (subplots included) the zerowatch look."""
-    fig.update_xaxes(**AXIS_STYLE)
-    fig.update_yaxes(**AXIS_STYLE)
-    return fig
 
 
 def _axis_key(axis: str, k: int) -> str:
@@ -300,23 +294,6 @@ def figure(title: str, *, height: int = 360, **layout: object) -> go.Figure:
     return go.Figure(layout=base_layout(title, height=height, **layout), _validate=VALIDATE)
 
 
-def note_figure(title: str, message: str, *, height: int = 200) -> go.Figure:
-    """A figure with no data and a centred message (shown where a run has nothing to plot)."""
-    fig = figure(title, height=height)
-    fig.add_annotation(
-        text=message,
-        showarrow=False,
-        x=0.5,
-        y=0.5,
-        xref="paper",
-        yref="paper",
-        font={"size": 13, "color": "#636e72"},
-    )
-    fig.update_xaxes(visible=False)
-    fig.update_yaxes(visible=False)
-    return fig
-
-
 def finite(values: Sequence[float | None]) -> list[float]:
     """The finite values of a sequence."""
     return [v for v in values if v is not None and math.isfinite(v)]
@@ -351,7 +328,6 @@ __all__ = [
     "fmt_seconds",
     "grid_figure",
     "kind_label",
-    "note_figure",
     "op_label",
     "panel_axes",
     "phase_label",
@@ -359,6 +335,5 @@ __all__ = [
     "rows_figure",
     "scaled",
     "scatter",
-    "style_axes",
     "text",
 ]

@@ -1,7 +1,8 @@
-"""Dependencies shared by the routes: settings, database, ingestor, and the token checks.
+"""Dependencies shared by the routes: settings, database, and the token checks.
 
-The app keeps one `Settings`, one `Database` and one `Ingestor` on `app.state`; routes take
-them through the `Annotated` aliases below. Token rules: with `Settings.token` set, ingest and
+The app keeps one `Settings` and one `Database` on `app.state`; routes take them through
+the `Annotated` aliases below (the events route reaches the app's `Ingestor` on
+`app.state` itself, as the ingest fast path does). Token rules: with `Settings.token` set, ingest and
 delete need `Authorization: Bearer <token>` (401 without it, 403 with another), and reads
 need it too when `read_requires_token` is set.
 
@@ -17,7 +18,6 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from zerowatch.server.db import Database
-from zerowatch.server.ingest import Ingestor
 from zerowatch.server.settings import Settings
 
 _bearer = HTTPBearer(auto_error=False, description="The server's token (ZEROWATCH_TOKEN).")
@@ -31,13 +31,8 @@ async def _db(request: Request) -> Database:
     return request.app.state.db  # type: ignore[no-any-return]
 
 
-async def _ingestor(request: Request) -> Ingestor:
-    return request.app.state.ingestor  # type: ignore[no-any-return]
-
-
 SettingsDep = Annotated[Settings, Depends(_settings)]
 DbDep = Annotated[Database, Depends(_db)]
-IngestorDep = Annotated[Ingestor, Depends(_ingestor)]
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
@@ -71,7 +66,6 @@ async def require_read(request: Request, credentials: Credentials) -> None:
 __all__ = [
     "Credentials",
     "DbDep",
-    "IngestorDep",
     "SettingsDep",
     "check_token",
     "require_read",

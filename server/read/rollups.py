@@ -135,32 +135,10 @@ def quantile(ordered: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def summarize(pairs: list[tuple[float, int]], *, ends: bool = False, k: int = TOP_K) -> Stats:
-    """The Stats of (value, rank) pairs (not empty)."""
-    pairs.sort()
-    vals = [v for v, _ in pairs]
-    top = vals[-1]
-    max_rank = min(r for v, r in pairs if v == top)
-    st = Stats(
-        n=len(vals),
-        min=vals[0],
-        p10=quantile(vals, 0.1),
-        p50=quantile(vals, 0.5),
-        p90=quantile(vals, 0.9),
-        max=top,
-        mean=math.fsum(vals) / len(vals),
-        min_rank=pairs[0][1],
-        max_rank=max_rank,
-    )
-    if ends and len(pairs) > 1:
-        hi = sorted(pairs[-k:], key=lambda p: (-p[0], p[1]))
-        st.extra = {"hi": [[r, v] for v, r in hi], "lo": [[r, v] for v, r in pairs[:k]]}
-    return st
-
-
 # -- computing rollups from the per-rank rows ------------------------------------------------
 
-#: The steps columns `vocabulary.rank_values` reads.
+#: The steps columns a rollup reads: the rank-step's keys and the columns
+#: `vocabulary.rank_table` reads.
 STEP_COLS = (
     "rank", "seq", "step", "step_time_s", "exposed_comm_s", "hidden_comm_s", "grad_norm",
     "loss", "lr", "loss_scale", "samples_per_s", "tokens_per_s", "mfu", "samples", "tokens",
@@ -172,11 +150,13 @@ _COLL_COLS = ("rank", "seq", "op", "count", "bytes", "latency_sum_s", "latency_m
 
 
 def _stats_of(values: np.ndarray, ranks: np.ndarray, *, ends: bool, k: int = TOP_K) -> Stats | None:
-    """`summarize` over one step's column of a metric: `values[i]` is rank `ranks[i]`'s
-    (NaN where the rank has none), ranks ascending. None when no rank has a value.
+    """The Stats of one step's column of a metric: `values[i]` is rank `ranks[i]`'s (NaN
+    where the rank has none), ranks ascending. None when no rank has a value.
 
-    The same figures as `summarize`, computed with numpy: one sort by (value, rank), the
-    quantiles by the same interpolation, the mean by math.fsum."""
+    One sort by (value, rank) gives the order statistics (`quantile`'s linear
+    interpolation) and the ranks at the ends, the lowest rank among equal values; the mean
+    is math.fsum's. With `ends`, the k highest and k lowest (rank, value) pairs go in
+    `extra`."""
     have = ~np.isnan(values)
     if not have.all():
         values, ranks = values[have], ranks[have]
@@ -1077,6 +1057,5 @@ __all__ = [
     "quantile",
     "read",
     "step_bounds",
-    "summarize",
     "totals",
 ]

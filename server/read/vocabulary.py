@@ -22,9 +22,11 @@ events.GPU_REASON_LABELS; only reasons some rank-step saw).
 spends computing. Ranks of a synchronous job share their step time (the fast ones wait in
 a collective for the slow one), so busy time is what tells a straggler apart.
 
-Two readers use this vocabulary: the rollup compactor takes every value of a rank-step at
-once (`rank_values`, plain Python over the stored row), and a per-rank series reads one
-metric with SQL (`step_expr`, `collective_expr`). Both follow the same definitions.
+Two readers use this vocabulary, and both follow the same definitions: `rank_table` takes
+every metric of many rank-steps at once, as numpy columns over the rank-steps (the
+compactor's rollups, the fresh-steps cache; `rank_values_of` for the few named ranks of
+/metrics, the doctor and the rank pages), and a per-rank series reads one metric with SQL
+(`step_expr`, `collective_expr`).
 """
 
 from __future__ import annotations
@@ -322,8 +324,8 @@ def rank_table(
     / `coll_index` ({column: position}) the rows are tuples instead (the ingest writer's,
     read/fresh.py).
 
-    The one definition of a rank-step's metrics (`rank_values` is this for one row). The
-    compactor calls it with a step's thousands of rows: each column is converted to an
+    The one definition of a rank-step's metrics (`rank_values_of` is this as one dict per
+    rank-step). The compactor calls it with a step's thousands of rows: each column is converted to an
     array once, and the keyed maps (phases, parts, memory) of rank-steps with the same keys
     in one block, instead of one Python operation per value."""
     flat = [c for cs in colls for c in cs]
@@ -449,16 +451,12 @@ def _columns(
     return lambda name: by_position[index[name]]
 
 
-def rank_values(row: Mapping[str, Any], colls: Iterable[Mapping[str, Any]]) -> dict[str, float]:
-    """Every metric of one rank-step: `row` is its steps row (a mapping by column name),
-    `colls` its collectives rows. Metrics without a finite value are left out."""
-    return rank_values_of([row], [list(colls)])[0]
-
-
 def rank_values_of(
     rows: Sequence[Mapping[str, Any]], colls: Sequence[Iterable[Mapping[str, Any]]]
 ) -> list[dict[str, float]]:
-    """`rank_values` of several rank-steps (one `rank_table`)."""
+    """Every metric of each rank-step, as one {metric: value} per rank-step (one
+    `rank_table`): `rows[i]` its steps row (a mapping by column name), `colls[i]` its
+    collectives rows. Metrics without a finite value are left out."""
     table = rank_table(rows, colls)
     out: list[dict[str, float]] = [{} for _ in rows]
     for name, col in table.items():
@@ -483,7 +481,6 @@ __all__ = [
     "collective_parts",
     "metric_unit",
     "rank_table",
-    "rank_values",
     "rank_values_of",
     "step_expr",
 ]
