@@ -29,6 +29,7 @@ from typing import Any
 
 from zerowatch.agent import codec, flops, forensics
 from zerowatch.agent.adapters import EngineAdapter, JobInfo, select_adapter
+from zerowatch.agent.checkpoints import CheckpointTimer
 from zerowatch.agent.client import IngestClient
 from zerowatch.agent.config import AgentConfig
 from zerowatch.agent.errors import AgentHealth
@@ -60,6 +61,20 @@ def _fallback_id(name: str | None = None) -> str:
     """An id every rank derives alike from the launcher's environment (no collectives)."""
     key = "|".join(os.environ.get(k, "") for k in _JOB_ID_KEYS)
     return f"{_slug(name) if name else 'run'}-" + hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def job_key(job: str | None = None) -> str:
+    """The job a run belongs to, the same for its restarts: `job`, else `$ZEROWATCH_JOB`,
+    else the SLURM job id (kept by a requeue), else torchrun's run id (kept across its
+    elastic restarts; `--standalone` draws a new one per launch); "" for none."""
+    if job:
+        return job
+    if os.environ.get("ZEROWATCH_JOB"):
+        return os.environ["ZEROWATCH_JOB"]
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm-{os.environ['SLURM_JOB_ID']}"
+    torchrun = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return f"torchrun-{torchrun}" if torchrun and torchrun != "none" else ""
 
 
 def _agree(
@@ -173,6 +188,7 @@ def instrument(
     token: str | None = None,
     spool_dir: str | os.PathLike[str] | None = None,
     optimizer: Any = None,
+    job: str | None = None,
     **kw: Any,
 ) -> Run:
     """Attach the in-process agent to `engine` on this rank; call it on every rank.
@@ -190,6 +206,9 @@ def instrument(
             (default `./zerowatch-spool/<run_id>/`).
         optimizer: FSDP2 only: the optimizer stepping the `fully_shard` model (its step
             hooks mark where each step ends).
+        job: the job this run is part of: the runs of one job across restarts are one
+            job on the server (its goodput). Default `$ZEROWATCH_JOB`, the SLURM job id or
+            torchrun's run id (`job_key`).
         **kw: `AgentConfig` fields (spans_every, peak_flops, max_spool_bytes, ...).
 
     Returns:
@@ -201,6 +220,9 @@ def instrument(
     """
     config = AgentConfig.from_kwargs(kw)
     tag_list = _check_args(project, tags, run)
+    if job is not None and (not isinstance(job, str) or not job.strip() or len(job) > 200):
+        raise ValueError(f"job: expected a non-empty name of at most 200 characters, got {job!r}")
+    job_name = job_key(job)
     server = server if server is not None else (os.environ.get("ZEROWATCH_SERVER") or None)
     token = token if token is not None else (os.environ.get("ZEROWATCH_TOKEN") or None)
     client = (
@@ -210,10 +232,10 @@ def instrument(
         else None
     )  # fmt: skip
     adapter = select_adapter(engine, optimizer=optimizer)
-    job = adapter.info()
+    info = adapter.info()
     health = AgentHealth()
-    run_id, started = _agree(adapter, job, run, health)
-    clock_offset = _clock_offset(adapter, job, config, health)
+    run_id, started = _agree(adapter, info, run, health)
+    clock_offset = _clock_offset(adapter, info, config, health)
     name = config.name or run or run_id
 
     run_create = ev.RunCreate(
@@ -221,31 +243,32 @@ def instrument(
         name=name,
         project=project,
         tags=tag_list,
-        world_size=job.world_size,
-        engine=job.engine,
+        world_size=info.world_size,
+        engine=info.engine,
         engine_info={
-            **job.engine_info,
-            "device": job.device,
-            "micro_batch_size": job.micro_batch_size,
-            "gradient_accumulation_steps": job.gradient_accumulation_steps,
-            "persistent_params": job.persistent_params,
+            **info.engine_info,
+            "device": info.device,
+            "micro_batch_size": info.micro_batch_size,
+            "gradient_accumulation_steps": info.gradient_accumulation_steps,
+            "persistent_params": info.persistent_params,
         },
-        zero_stage=job.zero_stage,
-        offload_optimizer=job.offload_optimizer,  # type: ignore[arg-type]
-        offload_param=job.offload_param,  # type: ignore[arg-type]
-        precision=job.precision,  # type: ignore[arg-type]
-        config=job.config,
-        param_count=job.param_count,
+        zero_stage=info.zero_stage,
+        offload_optimizer=info.offload_optimizer,  # type: ignore[arg-type]
+        offload_param=info.offload_param,  # type: ignore[arg-type]
+        precision=info.precision,  # type: ignore[arg-type]
+        config=info.config,
+        param_count=info.param_count,
         hosts=[],  # each rank's events name its host and node
         torch_version=_torch_version(),
         zerowatch_version=__version__,
-        theory=job.theory,
-        theory_comm=job.theory_comm,
+        theory=info.theory,
+        theory_comm=info.theory_comm,
         started_at=started,
+        job=job_name,
     )
     spool = Spool(
         Path(os.path.abspath(spool_dir if spool_dir is not None else DEFAULT_SPOOL_ROOT)) / run_id,
-        job.rank,
+        info.rank,
         max_bytes=config.max_spool_bytes,
         segment_bytes=config.spool_segment_bytes,
         fsync_interval_s=config.fsync_interval_s,
@@ -259,53 +282,58 @@ def instrument(
         health=health,
         queue_size=config.queue_size,
         batch_max_events=config.batch_max_events,
-        flush_interval_s=config.flush_interval(job.world_size),
+        flush_interval_s=config.flush_interval(info.world_size),
         retry_max_wait_s=config.retry_max_wait_s,
         http_timeout_s=config.http_timeout_s,
-        rank=job.rank,
-        creates_run=job.rank == 0,
+        rank=info.rank,
+        creates_run=info.rank == 0,
     )
-    on_cuda = job.device.startswith("cuda")
+    on_cuda = info.device.startswith("cuda")
     device = adapter.torch_device() if on_cuda else None
     clock = CudaClock(device) if on_cuda else HostClock()
     memory = (
-        CudaMemoryProbe(job.theory, device)
+        CudaMemoryProbe(info.theory, device)
         if on_cuda
-        else MemoryProbe(job.theory, every=config.memory_every)
+        else MemoryProbe(info.theory, every=config.memory_every)
     )
     gpu = gpu_probe(
         _gpu_identity(device, config.gpu_telemetry, health),
         health=health,
-        rank=job.rank,
+        rank=info.rank,
         interval_s=config.gpu_sample_interval_s,
     )
     seq = itertools.count()
     recorder = StepRecorder(
-        adapter=adapter, job=job, config=config, health=health, clock=clock,
+        adapter=adapter, job=info, config=config, health=health, clock=clock,
         memory=memory, emit=transport.submit, next_seq=lambda: next(seq), gpu=gpu,
-        mfu=_mfu_meter(engine, adapter, job, config, health, device),
+        mfu=_mfu_meter(engine, adapter, info, config, health, device),
     )  # fmt: skip
     recorder.set_clock_offset(clock_offset)
-    if job.world_size > 1 and config.clock_sync_rounds:
+    if info.world_size > 1 and config.clock_sync_rounds:
         recorder.resync_clock = lambda: _clock_offset(
-            adapter, job, config, health, fallback=recorder.clock_offset_s
+            adapter, info, config, health, fallback=recorder.clock_offset_s
         )
+    checkpoints = CheckpointTimer(
+        recorder.note_checkpoint, lambda: int(getattr(engine, "global_steps", 0) or 0),
+        recorder.unix_of, health.error,
+    )  # fmt: skip
     handle = Run(
-        run_id=run_id, name=name, job=job, adapter=adapter, recorder=recorder,
+        run_id=run_id, name=name, job=info, adapter=adapter, recorder=recorder,
         transport=transport, memory=memory, health=health, config=config, server=server,
-        next_seq=lambda: next(seq),
+        next_seq=lambda: next(seq), checkpoints=checkpoints,
     )  # fmt: skip
     recorder.on_crash = handle.crash
     recorder.tracer = _forward_tracer(engine, adapter, health)
     transport.every_wake(recorder.tidy)
-    beat = HeartbeatSource(recorder, config, rank=job.rank, host=socket.gethostname(),
+    beat = HeartbeatSource(recorder, config, rank=info.rank, host=socket.gethostname(),
                            node=launcher_node())  # fmt: skip
-    transport.heartbeat(beat.body, config.heartbeat_interval(job.world_size))
+    transport.heartbeat(beat.body, config.heartbeat_interval(info.world_size))
     transport.start()
     gpu.start()
     adapter.attach(recorder)
+    checkpoints.attach(engine)
     _close_at_exit(handle)
-    if job.rank == 0:
+    if info.rank == 0:
         _announce(run_id, server, spool.run_dir if server is None else None)
     return handle
 

@@ -119,6 +119,8 @@ class UserScalars:
     other: dict[str, float] | None = None
     #: `run.log(batch_ids=...)`: kept in the event of a flagged step only.
     batch_ids: list[Any] | None = None
+    #: Checkpoint saves and loads before the step (agent/checkpoints.py).
+    checkpoints: list[ev.CheckpointTiming] | None = None
 
     def add(self, scalars: dict[str, float]) -> None:
         for key, value in scalars.items():
@@ -472,6 +474,22 @@ class StepRecorder:
             if user.loss_nonfinite:
                 self._trace_next = True
 
+    def note_checkpoint(self, timing: ev.CheckpointTiming) -> None:
+        """A checkpoint call (between steps): it goes out with the next step's event, or
+        the rank's EndEvent (`take_checkpoints`). After a load the steps are numbered from
+        the step it restored."""
+        with self._lock:
+            user = self._user
+            user.checkpoints = [*(user.checkpoints or ()), timing]
+            if timing.op == "load" and self._step_start is None:
+                self._step = timing.step
+
+    def take_checkpoints(self) -> list[ev.CheckpointTiming]:
+        """The checkpoint calls no step event carries (at close)."""
+        with self._lock:
+            out, self._user.checkpoints = self._user.checkpoints or [], None
+        return out
+
     # -- step assembly ---------------------------------------------------------------
 
     def _begin_step(self, t: float) -> None:
@@ -676,6 +694,7 @@ class StepRecorder:
                 forward_module=d.forward_module,
                 batch_ids=user.batch_ids,
             ),
+            checkpoints=user.checkpoints or [],
         )
 
     def _spans(self, d: StepDraft, start_unix: float, step_time: float) -> list[ev.Span]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from zerowatch.agent import forensics as fx
 from zerowatch.agent.adapters.base import EngineAdapter, JobInfo
+from zerowatch.agent.checkpoints import CheckpointTimer
 from zerowatch.agent.config import AgentConfig
 from zerowatch.agent.errors import AgentHealth
 from zerowatch.agent.probes import MemoryProbe
@@ -64,6 +65,7 @@ class Run:
         config: AgentConfig,
         server: str | None,
         next_seq: Any,
+        checkpoints: CheckpointTimer | None = None,
     ) -> None:
         self.id = run_id
         self.name = name
@@ -79,6 +81,7 @@ class Run:
         self._memory = memory
         self._health = health
         self._next_seq = next_seq
+        self._checkpoints = checkpoints
         self._close_lock = threading.Lock()
         self.closed = False
         self.status: str = "running"
@@ -150,6 +153,8 @@ class Run:
         self.status = status
         try:
             self._adapter.detach(self._recorder)
+            if self._checkpoints is not None:
+                self._checkpoints.detach()
         except Exception as e:
             self._health.error("detaching from the engine", e)
         try:
@@ -163,6 +168,7 @@ class Run:
             status=status,  # type: ignore[arg-type]
             error=error[:2000] if error else None,
             crash=crash,
+            checkpoints=self._recorder.take_checkpoints(),
         )
         try:
             self._transport.close(

@@ -432,6 +432,28 @@ def alerts(s: AlertSettings) -> list[Alert]:
             "sequence number, op, size), the ranks not in it and their Python stacks; then "
             "kill the job before the collective's timeout spends more of its allocation.",
         ),
+        Alert(
+            alert="ZeroWatchCheckpointSlow",
+            group="zerowatch.checkpoint",
+            records=(
+                # The run's newest save, timed on every rank; the slowest rank's seconds.
+                Record(
+                    "zerowatch:checkpoint_save_seconds:max",
+                    f'max by ({RUN}) ({m["checkpoint_seconds"]}{{op="save"}})',
+                ),
+            ),
+            expr="zerowatch:checkpoint_save_seconds:max"
+            f" > {_num(s.checkpoint_save_threshold_seconds)}",
+            for_=Duration("0s"),
+            severity="warning",
+            summary=f"Checkpoint save of {_who()} took {VALUE_DURATION}",
+            description=f"The newest checkpoint save of {_who()} took its slowest rank "
+            f"{VALUE_DURATION} (threshold {_num(s.checkpoint_save_threshold_seconds)}s): the "
+            "whole job waited for it. Look at the run's checkpoints (GET "
+            "/api/v1/runs/RUN/checkpoints: bytes and bandwidth per save, the slowest rank), "
+            "the file system's write bandwidth from that rank's node, and whether every rank "
+            "writes at once; save less often, or asynchronously, where the job allows.",
+        ),
     ]
 
 

@@ -207,6 +207,10 @@ class AlertSettings:
     """ZeroWatchCollectiveHang: how long the server must have named hung ranks (ranks not
     in the collective the others wait in, or silent) before firing."""
 
+    checkpoint_save_threshold_seconds: float = 600.0
+    """ZeroWatchCheckpointSlow: fire when a run's newest checkpoint save took its slowest
+    rank longer than this many seconds."""
+
     dashboard_url: str = ""
     """Base URL of the zerowatch server as on-call engineers open it (e.g.
     `https://zerowatch.example.org`); when set, every alert gets a `dashboard` annotation
@@ -226,7 +230,8 @@ class AlertSettings:
         for name in ("step_time_regression_ratio", "grad_norm_spike_ratio",
                      "straggler_ratio", "loss_scale_drop_factor"):  # fmt: skip
             need(getattr(self, name) > 1.0, name, "a number > 1")
-        for name in ("optimizer_step_threshold_seconds", "all_gather_p99_threshold_seconds"):
+        for name in ("optimizer_step_threshold_seconds", "all_gather_p99_threshold_seconds",
+                     "checkpoint_save_threshold_seconds"):  # fmt: skip
             need(getattr(self, name) > 0.0, name, "a number of seconds > 0")
         need(
             0.0 < self.memory_headroom_ratio <= 1.0, "memory_headroom_ratio", "a fraction in (0, 1]"

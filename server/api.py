@@ -14,7 +14,7 @@ from zerowatch.server import heartbeats, read, store
 from zerowatch.server.body import BodyRoute
 from zerowatch.server.deps import DbDep, SettingsDep, require_read, require_write
 from zerowatch.server.read import compare as compare_read
-from zerowatch.server.read import doctor
+from zerowatch.server.read import doctor, jobs
 from zerowatch.server.read import series as series_read
 from zerowatch.server.read import trace as trace_read
 
@@ -275,6 +275,25 @@ def heatmap(
 def findings(run_id: RunId, db: DbDep) -> dict[str, Any]:
     """What is wrong with a run and what to change (the doctor), most severe first."""
     return _of_run(doctor.findings, run_id, db=db)
+
+
+@router.get("/runs/{run_id}/checkpoints", dependencies=Read, tags=["runs"])
+def checkpoints(run_id: RunId, db: DbDep) -> dict[str, Any]:
+    """The run's checkpoint saves and loads: per call, the slowest rank's seconds, the
+    bytes of every rank and the bandwidth."""
+    return _of_run(jobs.run_checkpoints, run_id, db=db)
+
+
+@router.get("/jobs/{job}", dependencies=Read, tags=["runs"])
+def job(
+    job: Annotated[str, Path(min_length=1, max_length=store.MAX_JOB_CHARS)], db: DbDep
+) -> dict[str, Any]:
+    """The runs of one job across its restarts, and where its time went: productive steps,
+    redone steps, checkpoint saves and loads, hangs, restarts (goodput)."""
+    out = jobs.get_job(db=db, job=job)
+    if out is None:
+        raise HTTPException(404, f"job {job!r} not found")
+    return out
 
 
 @router.get("/compare", dependencies=Read, tags=["series"])

@@ -16,7 +16,9 @@ What a run exposes (names from `events.METRICS`; docs/metrics.md lists each):
 - per-rank series (label `rank`, `stat` empty) only for the `top_k` ranks that stand out
   in busy time over the newest `OUTLIER_WINDOW` steps: the scalar gauges, phases and parts;
 - one latency histogram per op, summed over ranks and cumulative over the run;
-- counters per run: rank-steps stored, steps skipped (fp16 overflow), non-finite steps.
+- counters per run: rank-steps stored, steps skipped (fp16 overflow), non-finite steps;
+- the run's newest checkpoint save and load (label `op`): the slowest rank's seconds, the
+  bytes of every rank, the bandwidth (read/jobs.py).
 
 A gauge family has both `stat` and `rank` labels; one of them is empty on each series
 (Prometheus drops empty labels), so `zerowatch_step_time_seconds{stat="p50"}` is the run's
@@ -42,7 +44,7 @@ from sqlalchemy import Connection, func, select
 from zerowatch.server import models as m
 from zerowatch.server.db import Database
 from zerowatch.server.heartbeats import read_heartbeats
-from zerowatch.server.read import forensics, rollups, runs, series
+from zerowatch.server.read import forensics, jobs, rollups, runs, series
 from zerowatch.server.read.rollups import Stats
 from zerowatch.server.read.vocabulary import rank_values_of
 
@@ -169,6 +171,18 @@ class _Families:
             "ranks wait in, or silent; 1 where every rank waits in it), 0 without a hang.",
             labels=RUN,
         )  # fmt: skip
+        self.checkpoint_seconds = GaugeMetricFamily(
+            M["checkpoint_seconds"], "The run's newest checkpoint save or load (op): the "
+            "slowest rank's seconds.", labels=[*RUN, "op"],
+        )  # fmt: skip
+        self.checkpoint_bytes = GaugeMetricFamily(
+            M["checkpoint_bytes"], "The run's newest checkpoint save or load (op): bytes "
+            "written or read, summed over ranks.", labels=[*RUN, "op"],
+        )  # fmt: skip
+        self.checkpoint_bandwidth = GaugeMetricFamily(
+            M["checkpoint_bandwidth"], "The run's newest checkpoint save or load (op): its "
+            "bytes over the slowest rank's seconds.", labels=[*RUN, "op"],
+        )  # fmt: skip
         self.scalars = {k: GaugeMetricFamily(M[k], doc, labels=GAUGE)
                         for k, (_, doc) in SCALARS.items()}  # fmt: skip
         self.keyed = {k: GaugeMetricFamily(M[k], doc, labels=[*GAUGE, label])
@@ -177,7 +191,8 @@ class _Families:
     def all(self) -> Iterator[Metric]:
         yield from (self.info, self.running, self.last, self.steps, self.skipped,
                     self.nonfinite, self.latency, self.gpu_throttled, self.gpu_xid,
-                    self.gpu_ecc, self.hung)  # fmt: skip
+                    self.gpu_ecc, self.hung, self.checkpoint_seconds,
+                    self.checkpoint_bytes, self.checkpoint_bandwidth)  # fmt: skip
         yield from self.scalars.values()
         yield from self.keyed.values()
 
@@ -226,6 +241,12 @@ def _collect_run(conn: Connection, fam: _Families, row: Any, *, top_k: int, now:
         select(func.coalesce(func.sum(m.rank_states.c.steps), 0)).where(m.rank_states.c.run == pk)
     ).scalar()
     fam.steps.add_metric(run, float(stored or 0))
+    for op, call in jobs.latest_calls(conn, pk).items():
+        fam.checkpoint_seconds.add_metric([*run, op], call["seconds"])
+        if call["bytes"] is not None:
+            fam.checkpoint_bytes.add_metric([*run, op], float(call["bytes"]))
+        if call["bandwidth_bytes_per_s"] is not None:
+            fam.checkpoint_bandwidth.add_metric([*run, op], call["bandwidth_bytes_per_s"])
     tot = rollups.totals(conn, pk)
     fam.skipped.add_metric(run, tot.get(rollups.SKIPPED, (0.0, []))[0])
     fam.nonfinite.add_metric(run, tot.get(rollups.NONFINITE, (0.0, []))[0])

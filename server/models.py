@@ -29,6 +29,9 @@ storage is the *rank-step*, never the individual collective call:
 - `heartbeats`: the newest heartbeat of each rank (its last step, phase, flight recorder and,
   once stalled, its training thread's stack), replaced as they come: what the hang and
   desync findings read (read/forensics.py).
+- `checkpoints`: each rank's checkpoint saves and loads (seconds, bytes, the step), keyed
+  by the event that carried them; with `runs.job` (the runs of one job across restarts)
+  what the job view and its goodput read (read/jobs.py).
 - `run_totals`: per run, running totals the compactor keeps by deltas (steps skipped or
   non-finite, the latency histogram of each collective op summed over ranks): /metrics
   reads them in one query whatever the run's length.
@@ -76,6 +79,8 @@ class Run(Base):
     theory: Mapped[dict[str, Any]] = mapped_column(JSON)
     theory_comm: Mapped[dict[str, Any]] = mapped_column(JSON)
     started_at: Mapped[float] = mapped_column(Float)
+    #: The job the run is part of (events.RunCreate.job): its restarts share it; "" none.
+    job: Mapped[str] = mapped_column(Text, default="", server_default="", index=True)
     #: Server time the run was created.
     created_at: Mapped[float] = mapped_column(Float)
     #: Time of the newest event (its own timestamp, capped at the server's clock).
@@ -290,9 +295,34 @@ class RankHeartbeat(Base):
     body: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
+class Checkpoint(Base):
+    """One rank's checkpoint save or load (events.CheckpointTiming), keyed by the event that
+    carried it (its seq) and its place in that event's list."""
+
+    __tablename__ = "checkpoints"
+
+    run: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    idx: Mapped[int] = mapped_column(Integer, primary_key=True)
+    #: "save" or "load".
+    op: Mapped[str] = mapped_column(Text)
+    #: The engine's global step when the call returned.
+    step: Mapped[int] = mapped_column(BigInteger)
+    #: Unix time the call began, and its seconds on the rank.
+    time: Mapped[float] = mapped_column(Float)
+    seconds: Mapped[float] = mapped_column(Float)
+    #: Bytes the rank wrote (save) or read (load); NULL where not counted.
+    bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    tag: Mapped[str] = mapped_column(Text)
+
+    __table_args__ = (Index("ix_checkpoints_run_op_step", "run", "op", "step"),)
+
+
 runs = Run.__table__
 run_tags = RunTag.__table__
 rank_states = RankState.__table__
+checkpoints = Checkpoint.__table__
 steps = Step.__table__
 collectives = Collective.__table__
 spans = SpanSet.__table__
@@ -304,6 +334,7 @@ heartbeats = RankHeartbeat.__table__
 
 __all__ = [
     "Base",
+    "Checkpoint",
     "Collective",
     "DirtyStep",
     "FreshBlock",
@@ -315,6 +346,7 @@ __all__ = [
     "SpanSet",
     "Step",
     "StepRollup",
+    "checkpoints",
     "collectives",
     "dirty_steps",
     "fresh_blocks",

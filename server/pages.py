@@ -25,6 +25,7 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from zerowatch.dashboards import compare as compare_figs
 from zerowatch.dashboards import html
+from zerowatch.dashboards import job as job_figs
 from zerowatch.dashboards import plan as plan_figs
 from zerowatch.dashboards import rank as rank_figs
 from zerowatch.dashboards import run as run_figs
@@ -32,7 +33,7 @@ from zerowatch.dashboards import theme as th
 from zerowatch.dashboards.data import RunView, Series
 from zerowatch.server import page_queries, rank_pages, read
 from zerowatch.server.deps import DbDep, SettingsDep, require_read
-from zerowatch.server.read import doctor
+from zerowatch.server.read import doctor, jobs
 
 from zerowatch import plan as planner
 
@@ -446,6 +447,31 @@ def plan_page(
 
 def _ratio(value: float | None) -> str:
     return f"{value:.2f}× median" if value is not None else "–"
+
+
+@router.get("/jobs/{job}", response_class=HTMLResponse)
+def job_page(job: str, db: DbDep) -> HTMLResponse:
+    """One job across its restarts: its runs, goodput and where its time went."""
+    view = jobs.get_job(db=db, job=job)
+    if view is None:
+        return _not_found("Job not found", f"No run of a job named {job!r} is stored here.")
+    wall = view["wall_s"]
+    parts = [
+        {"key": key, "label": label, "seconds": view["parts"][key],
+         "share": f"{100 * view['parts'][key] / wall:.1f}%" if wall > 0 else "–"}
+        for key, (label, _) in job_figs.PARTS.items()
+    ]  # fmt: skip
+    lost = sum(view["parts"][k] for k in ("redone", "checkpoint_load", "hang", "restart"))
+    goodput = view["goodput"]
+    return _page(
+        "job.html",
+        nav="runs",
+        job=view,
+        parts=parts,
+        lost=lost,
+        goodput=f"{100 * goodput:.1f}%" if goodput is not None else "–",
+        figures=html.figures_payload({"job": job_figs.job_figure(view)}),
+    )
 
 
 @router.get("/runs/{run_id}/ranks/{rank}", response_class=HTMLResponse)

@@ -101,6 +101,7 @@ def check_schema_version(version: int) -> None:
 
 MAX_RUN_ID_CHARS = 200
 MAX_WORLD_SIZE = 1_000_000
+MAX_JOB_CHARS = 200
 
 
 def validate_run_id(run_id: str, loc: tuple[str | int, ...] = ("path", "run_id")) -> None:
@@ -123,6 +124,8 @@ def validate_run_create(run: ev.RunCreate) -> None:
         raise BatchError(("body", "zero_stage"), f"must be 0, 1, 2 or 3, got {run.zero_stage}")
     if run.param_count < 0:
         raise BatchError(("body", "param_count"), f"must be >= 0, got {run.param_count}")
+    if len(run.job) > MAX_JOB_CHARS:
+        raise BatchError(("body", "job"), f"at most {MAX_JOB_CHARS} characters, got {len(run.job)}")
 
 
 def create_run(db: Database, *, run: ev.RunCreate, now: float | None = None) -> tuple[int, bool]:
@@ -154,6 +157,7 @@ def create_run(db: Database, *, run: ev.RunCreate, now: float | None = None) -> 
         "theory": run.theory,
         "theory_comm": run.theory_comm,
         "started_at": run.started_at or now,
+        "job": run.job,
         "created_at": now,
         "last_event_at": None,
         "ended_at": None,
@@ -200,7 +204,7 @@ def delete_run(db: Database, *, run_id: str) -> bool:
             return False
         for table in (
             m.spans, m.collectives, m.steps, m.rank_states, m.run_tags, m.step_rollups,
-            m.dirty_steps, m.run_totals, m.fresh_blocks, m.heartbeats,
+            m.dirty_steps, m.run_totals, m.fresh_blocks, m.heartbeats, m.checkpoints,
         ):  # fmt: skip
             conn.execute(delete(table).where(table.c.run == ref.pk))
         conn.execute(delete(m.runs).where(m.runs.c.id == ref.pk))
@@ -510,11 +514,14 @@ def ingest_many(
         _bump_ranks(conn, st, new)
         _mark_dirty(conn, st, new, now)
 
+    carried: list[tuple[int, ev.StepEvent | ev.EndEvent]] = list(new)
     for ref, res, e in ends:
         if _record_end(conn, ref.pk, e):
             res.new_ends.append(e)
+            carried.append((ref.pk, e))
         else:
             res.duplicates += 1
+    _write_checkpoints(conn, carried)
 
     # One touch (and, after end events, one status check) per run.
     by_run: dict[int, tuple[RunRef, list[IngestResult]]] = {}
@@ -559,6 +566,17 @@ def _write_details(
     ]
     if span_rows:
         st.insert(conn, "spans", span_rows)
+
+
+def _write_checkpoints(conn: Connection, new: list[tuple[int, ev.StepEvent | ev.EndEvent]]) -> None:
+    """The checkpoint calls the newly stored events carry (rare: a few per run)."""
+    rows = [
+        {"run": pk, "rank": e.rank, "seq": e.seq, "idx": i, "op": c.op, "step": c.step,
+         "time": c.time, "seconds": c.seconds, "bytes": c.bytes, "tag": c.tag[:200]}
+        for pk, e in new if e.checkpoints for i, c in enumerate(e.checkpoints)
+    ]  # fmt: skip
+    if rows:
+        conn.execute(m.checkpoints.insert(), rows)
 
 
 def _bump_ranks(conn: Connection, st: _Statements, new: list[tuple[int, ev.StepEvent]]) -> None:

@@ -158,6 +158,10 @@ METRICS: Final = {
     "gpu_ecc_errors": "zerowatch_gpu_ecc_errors_total",
     # Collective forensics (the ranks' heartbeats; docs/forensics.md)
     "hung_ranks": "zerowatch_hung_ranks",
+    # Checkpoints (agent/checkpoints.py; the newest save and load of a run)
+    "checkpoint_seconds": "zerowatch_checkpoint_seconds",
+    "checkpoint_bytes": "zerowatch_checkpoint_bytes",
+    "checkpoint_bandwidth": "zerowatch_checkpoint_bandwidth_bytes_per_second",
 }
 
 #: NVML's clock event (throttle) reasons, by bit (nvmlClocksEventReason* /
@@ -352,6 +356,26 @@ class GpuTelemetry:
 
 
 @dataclass
+class CheckpointTiming:
+    """One `save_checkpoint` or `load_checkpoint` call on one rank, timed outside any step
+    (agent/checkpoints.py). It rides on the rank's next event (the step it preceded, or
+    the rank's EndEvent)."""
+
+    __pydantic_config__ = _FINITE
+
+    op: Literal["save", "load"]
+    #: The engine's global step when the call returned (a load's: the step it restored).
+    step: int
+    #: Unix time the call began (rank 0's clock) and its wall-clock seconds on this rank.
+    time: float
+    seconds: float
+    #: Bytes this process wrote (save) or read (load) during the call; None when the
+    #: platform does not count them.
+    bytes: int | None = None
+    tag: str = ""
+
+
+@dataclass
 class StepEvent:
     """Everything one rank measured in one optimizer step."""
 
@@ -417,6 +441,8 @@ class StepEvent:
     #: output was not finite (traced on a step after a flagged one), "batch_ids": what
     #: `run.log(batch_ids=...)` gave}. None on every other step.
     forensics: dict[str, Any] | None = None
+    #: Checkpoint saves and loads since the rank's previous event (outside the step time).
+    checkpoints: list[CheckpointTiming] = field(default_factory=list)
     kind: Literal["step"] = "step"
 
 
@@ -436,6 +462,7 @@ class EndEvent:
     #: Agent health: events dropped because the spool was full, agent errors swallowed.
     dropped_events: int = 0
     agent_errors: int = 0
+    checkpoints: list[CheckpointTiming] = field(default_factory=list)
     kind: Literal["end"] = "end"
 
 
@@ -471,6 +498,9 @@ class RunCreate:
     #: Theoretical bytes per step per collective op (nccl-tests size), from theory.py.
     theory_comm: dict[str, int] = field(default_factory=dict)
     started_at: float = 0.0
+    #: The job this run belongs to: runs of one job across restarts share it (the user's
+    #: name, `$ZEROWATCH_JOB`, the SLURM job id or torchrun's run id); "" for none.
+    job: str = ""
     schema_version: int = SCHEMA_VERSION
 
 
@@ -559,6 +589,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "STATE_KINDS",
     "STEP_PARTS",
+    "CheckpointTiming",
     "CollectiveStats",
     "EndEvent",
     "Event",

@@ -2,7 +2,7 @@
 
 A *run* dict holds the stored job description (run_id, name, project, tags, zero_stage,
 offload_optimizer, offload_param, precision, world_size, engine, engine_info, config,
-param_count, hosts, theory, theory_comm, torch_version, zerowatch_version), its lifecycle
+param_count, hosts, theory, theory_comm, torch_version, zerowatch_version, job), its lifecycle
 (status: running/finished/failed/stalled, created_at, started_at, last_event_at, ended_at),
 `steps` (most steps stored by any rank), `rank_summary` (how many ranks reported, ended,
 failed, lag behind; how many hosts), `ranks` (every rank up to `RANKS_INLINE` ranks; above
@@ -58,6 +58,7 @@ def run_dict(row: Any, *, now: float, stalled_after_s: float) -> dict[str, Any]:
         "theory": row.theory or {},
         "theory_comm": row.theory_comm or {},
         "started_at": row.started_at,
+        "job": row.job,
         "created_at": row.created_at,
         "last_event_at": row.last_event_at,
         "ended_at": row.ended_at,

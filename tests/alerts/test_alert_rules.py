@@ -103,7 +103,7 @@ def test_every_alert_names_its_run_and_has_severity_and_annotations() -> None:
         "ZeroWatchGradNormSpike", "ZeroWatchRunStalled", "ZeroWatchStragglerRank",
         "ZeroWatchMemoryHeadroomLow", "ZeroWatchOffloadBandwidthLow",
         "ZeroWatchLossScaleCollapse", "ZeroWatchNonFiniteLoss", "ZeroWatchGpuThrottled",
-        "ZeroWatchGpuErrors", "ZeroWatchCollectiveHang",
+        "ZeroWatchGpuErrors", "ZeroWatchCollectiveHang", "ZeroWatchCheckpointSlow",
     }  # fmt: skip
     for name, rule in alerts.items():
         assert rule["labels"]["severity"] in ("warning", "critical"), name
