@@ -212,12 +212,16 @@ def deepspeed_worker(rank: int, world: int, port: int, out_dir: str, server: str
         counter.uninstall()
         result: dict[str, Any] = {"steps": per_step}
         if run is not None:
+            # A checkpoint saved and loaded back: each rank's agent times both.
+            engine.save_checkpoint(str(Path(out_dir) / f"ckpt-{name}"), tag="last")
+            engine.load_checkpoint(str(Path(out_dir) / f"ckpt-{name}"), tag="last")
             adapter = run._adapter
             result.update(run_id=run.id, model_state=adapter.model_state_bytes(),
                           theory=adapter.info().theory)  # fmt: skip
             run.close()
             result["restored"] = _restored(engine, ("forward", "backward", "step",
-                                                    "allreduce_gradients"))  # fmt: skip
+                                                    "allreduce_gradients", "save_checkpoint",
+                                                    "load_checkpoint"))  # fmt: skip
         results[name] = result
         engine.destroy()
     Path(out_dir, f"deepspeed-rank{rank}.json").write_text(json.dumps(results))
@@ -276,6 +280,9 @@ def fsdp2_worker(rank: int, world: int, port: int, out_dir: str, server: str | N
         counter.uninstall()
         result: dict[str, Any] = {"steps": per_step}
         if run is not None:
+            # A checkpoint saved and loaded back: each rank's agent times both.
+            engine.save_checkpoint(str(Path(out_dir) / f"ckpt-{name}"), tag="last")
+            engine.load_checkpoint(str(Path(out_dir) / f"ckpt-{name}"), tag="last")
             adapter = run._adapter
             result.update(run_id=run.id, model_state=adapter.model_state_bytes(),
                           theory=adapter.info().theory)  # fmt: skip

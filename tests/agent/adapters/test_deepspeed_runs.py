@@ -166,3 +166,19 @@ def test_model_state_is_measured_beside_the_theory(
 @pytest.mark.parametrize("config", CONFIGS)
 def test_closing_the_run_restores_the_engine_and_torch_distributed(job: Any, config: str) -> None:
     assert job[0][config]["restored"] and job[1][config]["restored"]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_deepspeed_checkpoint_save_and_load_are_timed_on_every_rank(
+    job: Any, server: LiveServer, config: str
+) -> None:
+    import httpx
+
+    run_id = job_run_id(job, config)
+    calls = httpx.get(f"{server.api}/runs/{run_id}/checkpoints", timeout=10).json()["checkpoints"]
+    assert [(c["op"], c["step"], c["tag"], c["ranks"]) for c in calls] == [
+        ("save", STEPS, "last", 2), ("load", STEPS, "last", 2)]  # fmt: skip
+    for call in calls:
+        # DeepSpeed writes (and reads) every rank's optimizer partition: Adam's two moments
+        # and the fp32 parameters of its part, at least 3 x 4 bytes x PSI / 2 a rank.
+        assert call["seconds"] > 0 and call["bytes"] >= 3 * 4 * PSI
