@@ -32,5 +32,5 @@ def test_the_job_is_the_name_given_else_the_launchers_job_id(monkeypatch, given,
 
 @pytest.mark.parametrize("bad", ["", "   ", "x" * 201, 7])
 def test_a_bad_job_name_is_refused_naming_the_argument(fake_engine, spool_root, bad):
-    with pytest.raises(ValueError, match="^job: "):
+    with pytest.raises(ValueError, match=r"^job: "):
         zerowatch.instrument(fake_engine, spool_dir=spool_root, job=bad)

@@ -280,9 +280,6 @@ def fsdp2_worker(rank: int, world: int, port: int, out_dir: str, server: str | N
         counter.uninstall()
         result: dict[str, Any] = {"steps": per_step}
         if run is not None:
-            # A checkpoint saved and loaded back: each rank's agent times both.
-            engine.save_checkpoint(str(Path(out_dir) / f"ckpt-{name}"), tag="last")
-            engine.load_checkpoint(str(Path(out_dir) / f"ckpt-{name}"), tag="last")
             adapter = run._adapter
             result.update(run_id=run.id, model_state=adapter.model_state_bytes(),
                           theory=adapter.info().theory)  # fmt: skip
