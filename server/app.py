@@ -1,18 +1,24 @@
 """The FastAPI application: `create_app(settings)` and `serve(...)` for `zerowatch serve`.
 
 The app owns, on `app.state`: the `Settings`, the `Database` (opened and migrated when the
-app is created), the `Ingestor` (group commit) and the rollup `Compactor` (read/rollups.py).
-Nothing a read answers lives only in this process: /metrics, run status and pages come from
-the database, so several server processes (`zerowatch serve --workers N`, or servers on one
-PostgreSQL database behind a load balancer) answer alike. Routes: the JSON API (api.py)
-under /api/v1, `/metrics`, `/healthz`, and the HTML pages (pages.py); every response
-carries the security headers of security.py (a Content-Security-Policy among them).
+app is created), the `Ingestor` (group commit, ingest.py), the `HeartbeatWriter`
+(heartbeats.py), the rollup `Compactor` (read/rollups.py), the `ReadGate` (read_gate.py:
+the writers wait while reads run) and the `Admission` bound on what agents POST
+(admission.py). The ingest fast path (ingest_path.py) sits in front of the middleware
+stack (`App.__call__`) and stores agents' event batches; every other request goes through
+FastAPI. Nothing a read answers lives only in this process: /metrics, run status and pages
+come from the database, so several server processes (`zerowatch serve --workers N`, or
+servers on one PostgreSQL database behind a load balancer) answer alike. Routes: the JSON
+API (api.py) under /api/v1, `/metrics`, `/healthz`, `/docs`, and the HTML pages
+(pages.py); every response carries the security headers of security.py (a
+Content-Security-Policy among them).
 
 Errors are JSON `{"detail": ...}`: validation problems are 422 with the location of each bad
-field (`loc`) and a one-line `message`; a database that is down, restarting or out of
-disk is a 503 or 507 naming the cause, with Retry-After (db_errors.py); ingest past the
-admission bound is a 503 with Retry-After (admission.py); anything unforeseen is logged and
-answered 500 without internals (the schemathesis test holds that none is reachable).
+field (`loc`) and a one-line `message`; a URL holding a NUL is 400; a database that is
+down, restarting or out of disk is a 503 or 507 naming the cause, with Retry-After
+(db_errors.py); ingest past the admission bound is a 503 with Retry-After (admission.py);
+anything unforeseen is logged and answered 500 without internals (the schemathesis test
+holds that none is reachable).
 """
 
 from __future__ import annotations
@@ -159,16 +165,10 @@ def _install_docs(app: FastAPI) -> None:
 
 
 def _include_pages(app: FastAPI) -> None:
-    """Add the HTML pages when the dashboards' page module is installed."""
-    here = Path(__file__).parent
-    if not (here / "pages.py").exists():
-        return
-    from zerowatch.server import pages  # type: ignore[attr-defined,unused-ignore]
+    """Add the HTML pages (server/pages.py's router)."""
+    from zerowatch.server import pages
 
-    if hasattr(pages, "install"):
-        pages.install(app)
-    elif hasattr(pages, "router"):
-        app.include_router(pages.router)
+    app.include_router(pages.router)
 
 
 #: Allocations between two collections of the youngest generation while the app runs.
@@ -219,15 +219,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         compactor.start()
         # What start-up built (modules, the schema, the app) lives as long as the process:
         # keep it out of the collector's full passes, which would otherwise walk all of it
-        # now and then in the middle of a request (a query's p95 went from 15 to 80 ms).
+        # now and then in the middle of a request (some 65 ms on a query's p95).
         gc.collect()
         gc.freeze()
         # Ingest builds some hundred short-lived containers per rank-step (parsed JSON, the
         # event dataclasses, row tuples): with the default threshold (700) the collector
-        # runs every few rank-steps, and its older generations after them. Every 50,000
-        # allocations instead took 14 us of CPU off each rank-step at 4,096 ranks (the
-        # event loop's share fell from 66 to 52 us, measured in-process); cyclic garbage
-        # is still collected, a little later.
+        # runs every few rank-steps, and its older generations after them. At 50,000 the
+        # event loop spends 52 us of CPU a rank-step at 4,096 ranks instead of 66
+        # (in-process); cyclic garbage is still collected, a little later.
         thresholds = gc.get_threshold()
         gc.set_threshold(GC_GEN0_THRESHOLD, *thresholds[1:])
         yield

@@ -1,14 +1,19 @@
-"""Writes: create a run, ingest a batch of events, delete a run.
+"""Writes: create a run, ingest batches of events, delete a run.
 
-Ingest is one transaction per batch, so a batch is stored whole or not at all. Idempotency
-rests on the primary key (run, rank, seq) of `steps`: rows go in with
-`INSERT ... ON CONFLICT DO NOTHING RETURNING rank, seq` (both SQLite and PostgreSQL), and
-only the returned, newly stored steps get their collectives and spans written and count
-towards the per-rank counters. A replayed batch therefore changes nothing.
+Ingest writes inside a transaction: `ingest_many` writes several batches in its caller's
+(the ingest writer's group commit, server/ingest.py) with one statement per table,
+`ingest_batch` one batch in a transaction of its own. Each batch is validated before
+anything of it is written, so a batch is stored whole or not at all. Idempotency rests on
+the primary key (run, rank, seq) of `steps`: step rows go in with `INSERT ... ON CONFLICT
+DO NOTHING RETURNING run, rank, seq` (SQLite and PostgreSQL alike, through server/bulk.py),
+and only the returned, newly stored steps get their collectives, spans and checkpoint calls
+written, count towards the per-rank counters and mark their step dirty for the rollups; an
+end event the rank's state already holds (the same seq) is a duplicate too. A replayed
+batch therefore changes nothing.
 
 Checks that a JSON schema cannot express (the run id in the body matches the URL, ranks lie
 inside the world size, a histogram has one count per bucket) raise `BatchError` naming the
-field, before anything is written.
+field, before anything of the batch is written.
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ class IngestResult:
 
     accepted: int = 0
     duplicates: int = 0
-    #: The step events actually stored by this batch (for the live cache).
+    #: The step events this batch stored (not duplicates): its accepted count and newest time.
     new_steps: list[ev.StepEvent] = field(default_factory=list)
     #: The end events that changed a rank's state.
     new_ends: list[ev.EndEvent] = field(default_factory=list)

@@ -2,12 +2,21 @@
 
 Each module is one concept: `vocabulary` (metric names, units, how a rank-step's value is
 read), `rollups` (per-step statistics over ranks and their compactor), `fresh` (the
-metric columns of rank-steps this process just stored: the compactor's shortcut), `runs` (the run
-resource, ranks and hosts, recent figures), `series` (a metric over steps: rank statistics
-or selected ranks; breakdown, heatmap, outliers), `compare` (runs side by side) and `trace`
-(Chrome-trace export). Functions are keyword-only, take the `Database` as `db` and return
-plain data ready for JSON. The package exports the names that do not shadow its modules:
-`series.series`, `compare.compare` and `trace.trace` are reached through their modules.
+metric columns of rank-steps this process just stored: the compactor's shortcut), `runs`
+(the run resource, ranks and hosts, recent figures), `series` (a metric over steps: rank
+statistics or selected ranks; breakdown, heatmap, outliers), `compare` (runs side by
+side), `trace` (Chrome-trace export), `jobs` (a run's checkpoint calls; the runs of one
+job across restarts and where its time went), and the doctor: `doctor` (the entry,
+`findings`), `doctor_evidence` (what it reads), `doctor_checks` (one function per kind of
+finding), `doctor_crash` (the crash findings), `doctor_settings` (the thresholds) and
+`forensics` (hang and desync findings from the ranks' heartbeats).
+
+The functions a route calls are keyword-only, take the `Database` as `db` and return plain
+data ready for JSON. The readers they are built of take an open `Connection` and the run's
+key, so the reads of one answer share a transaction; the doctor's checks and forensics are
+pure functions of what was read. The package exports the names that do not
+shadow its modules: `series.series`, `compare.compare`, `trace.trace`, `doctor.findings`
+and the others are reached through their modules.
 """
 
 from zerowatch.server.read.rollups import Compactor, Retention

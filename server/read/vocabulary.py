@@ -24,9 +24,10 @@ a collective for the slow one), so busy time is what tells a straggler apart.
 
 Two readers use this vocabulary, and both follow the same definitions: `rank_table` takes
 every metric of many rank-steps at once, as numpy columns over the rank-steps (the
-compactor's rollups, the fresh-steps cache; `rank_values_of` for the few named ranks of
-/metrics, the doctor and the rank pages), and a per-rank series reads one metric with SQL
-(`step_expr`, `collective_expr`).
+compactor's rollups, the fresh-steps cache; `rank_values_of`, the same as one dict per
+rank-step, for readers of a few rows: /metrics' outlier ranks, the doctor's named ranks,
+the rank and node pages), and a per-rank series reads one metric with SQL (`step_expr`,
+`collective_expr`, read/series.py `rank_rows`).
 """
 
 from __future__ import annotations
