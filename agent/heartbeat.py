@@ -6,7 +6,10 @@ the rank's last finished step and when, the phase it is in, and per process grou
 collective launched and the last completed with the newest calls (agent/probes/flight.py).
 Once the rank has not finished a step for its stall threshold (`stall_after_s`: a multiple
 of its own median step time, at least `stall_floor_s`), the heartbeat also carries the
-training thread's innermost Python frames (`sys._current_frames()`): where it is stuck.
+training thread's innermost Python frames (`sys._current_frames()`): where it is stuck,
+and the newest entries of torch's own flight recorder where torch keeps one (NCCL's, and
+gloo's; `TORCH_FR_BUFFER_SIZE` > 0, which `zerowatch.init_distributed` sets): what the
+process group itself has scheduled, started and completed.
 The server keeps each rank's newest heartbeat; the doctor's hang and desync findings read
 them (server/read/forensics.py, docs/forensics.md).
 
@@ -15,6 +18,8 @@ Nothing here runs on the training thread.
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import sys
 import threading
@@ -40,6 +45,51 @@ def stack_of(thread_id: int, limit: int = STACK_FRAMES) -> list[ev.Frame] | None
                                line=int(frame.f_lineno or 0)))  # fmt: skip
         frame = frame.f_back
     return frames if frames else None
+
+
+#: Torch flight-recorder entries a stalled heartbeat carries (the newest).
+TORCH_ENTRIES = 8
+#: What torch calls its flight recorder's size (its entries are kept only when it is > 0,
+#: set before the process group is made); the older name is NCCL's.
+TORCH_BUFFER_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+
+
+def torch_flight(limit: int = TORCH_ENTRIES) -> list[dict[str, Any]] | None:
+    """The newest entries of torch's own collective flight recorder (ProcessGroupNCCL's,
+    and gloo's where torch keeps one), compacted: None where torch keeps none."""
+    if not any(os.environ.get(v, "0").strip() not in ("", "0") for v in TORCH_BUFFER_VARS):
+        return None
+    try:
+        from torch._C import _distributed_c10d as c10d
+
+        dump = getattr(c10d, "_dump_fr_trace_json", None) or getattr(
+            c10d, "_dump_nccl_trace_json", None
+        )
+        if dump is None:
+            return None
+        entries = json.loads(dump(True, False)).get("entries") or []
+    except Exception:  # no distributed build, no recorder: the heartbeat goes without
+        return None
+    # What is still in flight first (the oldest of it is what the rank waits in), then the
+    # newest of the rest, in torch's order.
+    pending = [i for i, e in enumerate(entries) if not e.get("retired", False)][:limit]
+    done = [i for i, e in enumerate(entries) if e.get("retired", False)]
+    keep = sorted(pending + done[len(done) - (limit - len(pending)) :] if len(pending) < limit
+                  else pending)  # fmt: skip
+    out = []
+    for e in (entries[i] for i in keep):
+        pg = e.get("process_group") or ["", ""]
+        out.append({
+            "group": str(pg[1] if len(pg) > 1 else pg[0]),
+            "seq": int(e.get("collective_seq_id", 0)),
+            "op": str(e.get("profiling_name", "")),
+            "state": str(e.get("state", "")),
+            "retired": bool(e.get("retired", False)),
+            "sizes": e.get("input_sizes"),
+            "dtypes": e.get("input_dtypes"),
+            "created": float(e.get("time_created_ns", 0)) / 1e9,
+        })  # fmt: skip
+    return out or None
 
 
 class HeartbeatSource:
@@ -78,6 +128,7 @@ class HeartbeatSource:
                                  calls=g["calls"])
             for name, g in rec.flight.snapshot(to_unix).items()
         }  # fmt: skip
+        stuck = stalled >= threshold
         return ev.Heartbeat(
             rank=self.rank,
             time=round(now + to_unix, 6),
@@ -87,7 +138,8 @@ class HeartbeatSource:
             stalled_s=round(stalled, 3),
             stall_after_s=round(threshold, 3),
             groups=groups,
-            stack=stack_of(self.thread_id) if stalled >= threshold else None,
+            stack=stack_of(self.thread_id) if stuck else None,
+            torch_flight=torch_flight() if stuck else None,
             host=self.host,
             node=self.node,
         )
@@ -97,4 +149,4 @@ class HeartbeatSource:
         return codec.dumps({"heartbeats": [codec.to_dict(self.build())]})
 
 
-__all__ = ["STACK_FRAMES", "HeartbeatSource", "stack_of"]
+__all__ = ["STACK_FRAMES", "HeartbeatSource", "stack_of", "torch_flight"]

@@ -11,6 +11,7 @@ torch.optim.AdamW training the plain model, on the same device):
   offload_param in fp32 among them);
 * a one-rank group made by the script with "nccl", with no backend, and with
   "cpu:gloo,cuda:nccl": the engine must pick the GPU for each (on --device cpu: "gloo");
+* torch's own flight recorder of an NCCL group, read as a stalled heartbeat reads it;
 * two processes sharing the GPU over gloo, for the stages whose collectives gloo accepts on
   CUDA tensors (probed first): the engine's multi-rank path (reduce-scatter, all-gather,
   the CUDA-event timing of asynchronous work) on CUDA tensors. The engine trains on the CPU
@@ -202,6 +203,32 @@ def one_rank_group_cases(device: torch.device, steps: int, tmp: Path) -> list[Ro
     return rows
 
 
+def torch_flight_case(device: torch.device, tmp: Path) -> Row:
+    """torch's own flight recorder of an NCCL group (on --device cpu: gloo), as a stalled
+    rank's heartbeat carries it (agent/heartbeat.py)."""
+
+    def run() -> tuple[str, float | None, str]:
+        from zerowatch.agent.heartbeat import torch_flight
+
+        os.environ["TORCH_FR_BUFFER_SIZE"] = "64"
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{tmp}/flight", rank=0,
+                                world_size=1)  # fmt: skip
+        try:
+            dist.all_reduce(torch.ones(1024, device=device))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            entries = torch_flight() or []
+        finally:
+            dist.destroy_process_group()
+            os.environ.pop("TORCH_FR_BUFFER_SIZE", None)
+        ops = [e["op"] for e in entries]
+        ok = f"{backend}:all_reduce" in ops
+        return device.type, None, "PASS" if ok else f"FAIL: entries {ops[:4]}"
+
+    return timed(f"torch flight recorder entries ({device.type})", device.type, run)
+
+
 def _gloo_rank(rank: int, world: int, device_type: str, steps: int,
                configs: dict[str, dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
     """One of two ranks sharing the GPU over gloo: probe which collectives gloo accepts on
@@ -307,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             rows += single_process_cases(device, args.steps)
             rows += one_rank_group_cases(device, args.steps, Path(tmp))
+            rows.append(torch_flight_case(device, Path(tmp)))
             rows += two_process_gloo_cases(device, args.steps)
     if device.type == "cuda" and torch.cuda.is_available():
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")

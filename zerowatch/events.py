@@ -556,6 +556,11 @@ class Heartbeat:
     groups: dict[str, GroupFlight] = field(default_factory=dict)
     #: The training thread's innermost frames, innermost first, once it has stalled.
     stack: list[Frame] | None = None
+    #: Once stalled, the newest entries of torch's own collective flight recorder, where
+    #: torch keeps one (agent/heartbeat.py): {"group", "seq", "op" (e.g. "nccl:all_reduce"),
+    #: "state" (scheduled, started, completed), "retired" (torch is done with it: its work
+    #: finished), "sizes", "dtypes", "created" (unix s)}.
+    torch_flight: list[dict[str, Any]] | None = None
     host: str = ""
     node: int = -1
 

@@ -91,6 +91,11 @@ def _call(b: dict[str, Any], group: str, seq: int) -> list[Any] | None:
     return None
 
 
+def _torch_pending(b: dict[str, Any]) -> dict[str, Any] | None:
+    """The oldest entry of a rank's torch flight recorder still in flight (not retired)."""
+    return next((e for e in b.get("torch_flight") or () if not e.get("retired", True)), None)
+
+
 def _fmt_call(op: str, numel: int, dtype: str) -> str:
     return f"{op} of {numel:,} {dtype} elements" if dtype else f"{op} of {numel:,} elements"
 
@@ -147,6 +152,7 @@ def hang(
             "phase": first.get("phase"),
             "last_step": first.get("last_step"),
             "stack": first.get("stack"),
+            "torch_flight": first.get("torch_flight"),
         })  # fmt: skip
     culprits = sorted(set(never) | set(silent))
     what = _fmt_call(op, numel, dtype)
@@ -161,6 +167,10 @@ def hang(
             f"launched it ({ranks_text(ranks)}, {st['phase']}, last finished step "
             f"{st['last_step']}): {_frames_text(st['stack'])}"
         )
+    pending = _torch_pending(beats[waiting[0]])
+    if pending is not None:
+        parts.append(f"torch's flight recorder on rank {waiting[0]}: {pending['op']} "
+                     f"#{pending['seq']} on {pending['group']} {pending['state']}")  # fmt: skip
     if silent:
         parts.append(f"{ranks_text(silent)} silent (no heartbeat): the process or its host is gone")
     if not culprits:
@@ -188,7 +198,11 @@ def hang(
                     "dtype": dtype,
                     "since": started,
                 },
-                "waiting": {"count": len(waiting), "ranks": waiting[:256]},
+                "waiting": {
+                    "count": len(waiting),
+                    "ranks": waiting[:256],
+                    "torch_flight": beats[waiting[0]].get("torch_flight"),
+                },
                 "not_launched": stacks,
                 "silent": silent,
                 "stalled": len(stalled),

@@ -77,7 +77,13 @@ def _wait_for_finding(server: LiveServer, steps_file: Path, kind: str, limit_s: 
     raise AssertionError(f"no {kind} finding within 180 s (progress {last})\n{server.log_tail()}")
 
 
-def test_rank_stuck_in_its_loader_is_named_with_its_stack_while_the_other_waits(tmp_path):
+def test_rank_stuck_in_its_loader_is_named_with_its_stack_while_the_other_waits(
+    tmp_path, monkeypatch
+):
+    # torch's own flight recorder on (the ranks' groups are made after the spawn), and the
+    # engine's collectives torch's own (as on NCCL), not its gloo ring over send/recv.
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "64")
+    monkeypatch.setenv("ZEROWATCH_GLOO_RING", "0")
     steps_file = tmp_path / "steps"
     with LiveServer() as server, _job(hangs_in_loader, server.url, str(tmp_path / "spool"), 1,
                                       12, str(steps_file)) as procs:  # fmt: skip
@@ -100,6 +106,16 @@ def test_rank_stuck_in_its_loader_is_named_with_its_stack_while_the_other_waits(
         frames = [(Path(f["file"]).name, f["function"], f["line"]) for f in stuck["stack"]]
         assert ("forensics_jobs.py", "load_batch", line) in frames, frames
         assert "load_batch (" in hang["message"] and f"forensics_jobs.py:{line}" in hang["message"]
+        # The waiting rank's heartbeat carries torch's own entries: what the group has in
+        # flight, not retired (the engine's gloo reduce-scatter is torch's all_reduce).
+        entries = hang["evidence"]["waiting"]["torch_flight"]
+        pending = [e for e in entries if not e["retired"]]
+        ops = {"gloo:all_reduce", "gloo:reduce_scatter", "gloo:all_gather"}
+        assert pending and pending[0]["op"] in ops and pending[0]["sizes"], entries
+        assert (
+            f"torch's flight recorder on rank 0: {pending[0]['op']} #{pending[0]['seq']}"
+            in (hang["message"])
+        )
         # The doctor on the command line says the same.
         cli = subprocess.run(
             [sys.executable, "-m", "zerowatch.cli", "doctor", run_id, "--server", server.url,

@@ -46,6 +46,8 @@ from zerowatch.engine.hooks import CollectiveRecord, ObserverRegistry
 #: Seconds a collective may wait for a peer before the job fails (a dead rank must make the
 #: others fail, not hang). Override with ZEROWATCH_COMM_TIMEOUT_S.
 DEFAULT_TIMEOUT_S = 1800.0
+#: Entries torch's flight recorder keeps per process group when the job does not say.
+FLIGHT_RECORDER_ENTRIES = 2000
 
 
 def comm_timeout() -> timedelta:
@@ -67,7 +69,9 @@ def init_distributed() -> None:
     which a plain "nccl" group has no backend for: a script's own CPU collectives, the gloo
     ring) and this process's GPU is made current first; without CUDA it is gloo. The
     rendezvous is torch's env:// with the launcher's rank and size; a SLURM or Open MPI
-    job's MASTER_ADDR and MASTER_PORT are put in os.environ for it when they are not there.
+    job's MASTER_ADDR and MASTER_PORT are put in os.environ for it when they are not there,
+    and torch's flight recorder keeps `FLIGHT_RECORDER_ENTRIES` entries unless the job set
+    `TORCH_FR_BUFFER_SIZE` itself.
 
     Raises:
         launch.LaunchError: the environment describes the job only in part.
@@ -83,6 +87,10 @@ def init_distributed() -> None:
     cuda = torch.cuda.is_available()
     if cuda:
         launch.bind_device(place)
+    if not any(v in os.environ for v in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")):
+        # torch's own flight recorder of the group's collectives (a ring of entries), which a
+        # stalled rank's heartbeat carries (agent/heartbeat.py); read when the group is made.
+        os.environ["TORCH_FR_BUFFER_SIZE"] = str(FLIGHT_RECORDER_ENTRIES)
     dist.init_process_group(backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
                             init_method="env://", rank=place.rank,
                             world_size=place.world_size, timeout=comm_timeout())  # fmt: skip
