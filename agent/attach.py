@@ -159,14 +159,20 @@ def _mfu_meter(engine: Any, adapter: EngineAdapter, job: JobInfo, config: AgentC
 
 
 def _check_args(project: Any, tags: Any, run: Any) -> list[str]:
-    if not isinstance(project, str) or not project.strip():
-        raise ValueError(f"project: expected a non-empty string, got {project!r}")
-    if run is not None and (not isinstance(run, str) or not run.strip()):
-        raise ValueError(f"run: expected a non-empty run name, got {run!r}")
+    """The server's limits (server/store.py: RUN_TEXT_LIMITS, RUN_LIST_LIMITS), checked
+    here so that a run the server would refuse fails at `instrument`, naming the argument."""
+    if not isinstance(project, str) or not project.strip() or len(project) > 100:
+        raise ValueError(f"project: expected a non-empty string of at most 100 characters, "
+                         f"got {project!r}")  # fmt: skip
+    if run is not None and (not isinstance(run, str) or not run.strip() or len(run) > 200):
+        raise ValueError(f"run: expected a non-empty run name of at most 200 characters, "
+                         f"got {run!r}")  # fmt: skip
     if tags is None:
         return []
-    if isinstance(tags, str) or not all(isinstance(t, str) for t in tags):
-        raise ValueError(f"tags: expected a list of strings, got {tags!r}")
+    if (isinstance(tags, str) or not all(isinstance(t, str) and len(t) <= 100 for t in tags)
+            or len(tags) > 64):  # fmt: skip
+        raise ValueError(f"tags: expected at most 64 strings of at most 100 characters, "
+                         f"got {tags!r}")  # fmt: skip
     return list(tags)
 
 

@@ -294,6 +294,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             grace_s=settings.finished_grace_s,
             forget_after_s=settings.forget_silent_after_s,
             top_k=settings.metrics_top_k,
+            max_runs=settings.metrics_max_runs,
         )
         return Response(body, media_type=PROMETHEUS_CONTENT_TYPE)
 

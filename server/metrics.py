@@ -58,6 +58,10 @@ STATS = ("min", "p50", "p90", "max", "mean")
 SUMMED = ("samples_per_second", "tokens_per_second")
 #: Steps over which the outlier ranks are chosen.
 OUTLIER_WINDOW = 10
+#: Live runs a scrape exposes at most (Settings.metrics_max_runs), the most recently
+#: active first: a scrape costs a few queries a run, and must stay well inside Prometheus'
+#: 10 s scrape timeout however many runs were created.
+MAX_RUNS = 256
 
 RUN = ["run", "project"]
 GAUGE = ["run", "project", "stat", "rank"]
@@ -331,12 +335,13 @@ class ReadModelCollector(Collector):
 
     def __init__(
         self, db: Database, *, grace_s: float, forget_after_s: float = float("inf"),
-        top_k: int = 8,
+        top_k: int = 8, max_runs: int = MAX_RUNS,
     ) -> None:  # fmt: skip
         self.db = db
         self.grace_s = grace_s
         self.forget_after_s = forget_after_s
         self.top_k = top_k
+        self.max_runs = max_runs
 
     def describe(self) -> list[Metric]:
         return []  # do not collect at registration
@@ -346,19 +351,29 @@ class ReadModelCollector(Collector):
         now = time.time()
         forget = min(self.forget_after_s, 1e12)
         with self.db.read() as conn:
-            for row in runs.live_rows(conn, now=now, grace_s=self.grace_s, forget_after_s=forget):
+            rows, left_out = runs.live_rows(conn, now=now, grace_s=self.grace_s,
+                                            forget_after_s=forget, limit=self.max_runs)  # fmt: skip
+            for row in rows:
                 _collect_run(conn, fam, row, top_k=self.top_k, now=now)
         yield from fam.all()
+        omitted = GaugeMetricFamily(
+            M["runs_left_out"], "Live runs /metrics leaves out: beyond the newest "
+            "`metrics_max_runs` by their last event.",
+        )  # fmt: skip
+        omitted.add_metric([], float(left_out))
+        yield omitted
 
 
 def exposition(
-    db: Database, *, grace_s: float, forget_after_s: float = float("inf"), top_k: int = 8
-) -> bytes:
+    db: Database, *, grace_s: float, forget_after_s: float = float("inf"), top_k: int = 8,
+    max_runs: int = MAX_RUNS,
+) -> bytes:  # fmt: skip
     """The Prometheus text exposition of the live runs."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(
-        ReadModelCollector(db, grace_s=grace_s, forget_after_s=forget_after_s, top_k=top_k)
+    collector = ReadModelCollector(
+        db, grace_s=grace_s, forget_after_s=forget_after_s, top_k=top_k, max_runs=max_runs
     )
+    registry.register(collector)
     return generate_latest(registry)
 
 

@@ -59,6 +59,9 @@ class Settings:
     retention_every: int = 10
     #: Outlier ranks per run that /metrics exposes with a `rank` label.
     metrics_top_k: int = 8
+    #: Live runs one /metrics scrape exposes at most, the most recently active first (the
+    #: rest are counted in zerowatch_metrics_runs_left_out).
+    metrics_max_runs: int = 256
     #: Ingest requests the server holds at once (admitted and not yet answered: reading,
     #: parsing, waiting for the writer). One more gets 503 with Retry-After before its body
     #: is read (server/admission.py), so agents replaying their spools all at once cannot
@@ -78,7 +81,7 @@ class Settings:
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name}: must be >= 0, got {getattr(self, name)}")
         for name in ("max_batch_bytes", "trace_sample_every", "recent_steps", "max_trace_steps",
-                     "retention_every", "ingest_max_pending"):  # fmt: skip
+                     "retention_every", "ingest_max_pending", "metrics_max_runs"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.token == "":

@@ -18,6 +18,7 @@ field, before anything of the batch is written.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,14 +108,26 @@ def check_schema_version(version: int) -> None:
 MAX_RUN_ID_CHARS = 200
 MAX_WORLD_SIZE = 1_000_000
 MAX_JOB_CHARS = 200
+#: A new run's text fields: at most this many characters (what a page, /metrics and a
+#: list answer carry per run stays small, whatever a client sends).
+RUN_TEXT_LIMITS = {"name": 200, "project": 100, "job": MAX_JOB_CHARS, "engine": 64,
+                   "torch_version": 64, "zerowatch_version": 64}  # fmt: skip
+#: A new run's lists: (entries, characters an entry).
+RUN_LIST_LIMITS = {"tags": (64, 100), "hosts": (4096, 255)}
+
+
+#: A run id's alphabet: it is a path segment of every URL of the run (no "/", "%", "?",
+#: "#", space), a Prometheus label and a file name in the agents' spools.
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def validate_run_id(run_id: str, loc: tuple[str | int, ...] = ("path", "run_id")) -> None:
-    """Raise BatchError unless `run_id` is 1-200 printable characters."""
+    """Raise BatchError unless `run_id` is 1-200 characters of `RUN_ID_PATTERN`."""
     if not run_id or len(run_id) > MAX_RUN_ID_CHARS:
         raise BatchError(loc, f"must be 1 to {MAX_RUN_ID_CHARS} characters")
-    if not run_id.isprintable():
-        raise BatchError(loc, "must not contain control characters")
+    if not RUN_ID_PATTERN.fullmatch(run_id):
+        raise BatchError(loc, "must be letters, digits, '.', '_' and '-', starting with a "
+                              f"letter or digit; got {run_id[:60]!r}")  # fmt: skip
 
 
 def validate_run_create(run: ev.RunCreate) -> None:
@@ -129,8 +142,17 @@ def validate_run_create(run: ev.RunCreate) -> None:
         raise BatchError(("body", "zero_stage"), f"must be 0, 1, 2 or 3, got {run.zero_stage}")
     if run.param_count < 0:
         raise BatchError(("body", "param_count"), f"must be >= 0, got {run.param_count}")
-    if len(run.job) > MAX_JOB_CHARS:
-        raise BatchError(("body", "job"), f"at most {MAX_JOB_CHARS} characters, got {len(run.job)}")
+    for name, limit in RUN_TEXT_LIMITS.items():
+        value = getattr(run, name)
+        if len(value) > limit:
+            raise BatchError(("body", name), f"at most {limit} characters, got {len(value)}")
+    for name, (count, chars) in RUN_LIST_LIMITS.items():
+        values = getattr(run, name)
+        if len(values) > count:
+            raise BatchError(("body", name), f"at most {count} entries, got {len(values)}")
+        for i, value in enumerate(values):
+            if len(value) > chars:
+                raise BatchError(("body", name, i), f"at most {chars} characters, got {len(value)}")
 
 
 def create_run(db: Database, *, run: ev.RunCreate, now: float | None = None) -> tuple[int, bool]:

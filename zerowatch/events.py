@@ -162,6 +162,8 @@ METRICS: Final = {
     "checkpoint_seconds": "zerowatch_checkpoint_seconds",
     "checkpoint_bytes": "zerowatch_checkpoint_bytes",
     "checkpoint_bandwidth": "zerowatch_checkpoint_bandwidth_bytes_per_second",
+    # The exposition itself
+    "runs_left_out": "zerowatch_metrics_runs_left_out",
 }
 
 #: NVML's clock event (throttle) reasons, by bit (nvmlClocksEventReason* /

@@ -302,23 +302,26 @@ def run_record(
         return None if row is None else run_dict(row, now=now, stalled_after_s=stalled_after_s)
 
 
-def live_rows(conn: Connection, *, now: float, grace_s: float, forget_after_s: float) -> list[Any]:
+def live_rows(
+    conn: Connection, *, now: float, grace_s: float, forget_after_s: float, limit: int
+) -> tuple[list[Any], int]:
     """Runs /metrics exposes: running and heard from within `forget_after_s`, or ended less
-    than `grace_s` ago."""
+    than `grace_s` ago; the `limit` most recently active of them, in the order they were
+    created. Returns (those rows, how many live runs were left out)."""
     r = m.runs.c
     last = func.coalesce(r.last_event_at, r.created_at)
-    return list(
-        conn.execute(
-            select(m.runs)
-            .where(
-                or_(
-                    and_(r.status == "running", last >= now - forget_after_s),
-                    and_(r.status != "running", func.coalesce(r.ended_at, last) >= now - grace_s),
-                )
-            )
-            .order_by(r.id)
-        ).all()
+    live = or_(
+        and_(r.status == "running", last >= now - forget_after_s),
+        and_(r.status != "running", func.coalesce(r.ended_at, last) >= now - grace_s),
     )
+    rows = conn.execute(
+        select(m.runs).where(live).order_by(last.desc(), r.id.desc()).limit(limit)
+    ).all()
+    left_out = 0
+    if len(rows) == limit:
+        total = conn.execute(select(func.count()).select_from(m.runs).where(live)).scalar()
+        left_out = int(total or 0) - limit
+    return sorted(rows, key=lambda row: row.id), left_out
 
 
 __all__ = [
