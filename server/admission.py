@@ -116,8 +116,8 @@ class Admission:
         return self._rate
 
 
-#: Set in the scope of a request already admitted in front of the middleware (the ingest
-#: fast path, server/ingest_path.py, which hands the route what it does not store itself).
+#: Set in the scope of a request already admitted in front of the middleware (by the events
+#: door, server/ingest_path.py, which leaves to the app a URL the route would not match).
 ADMITTED = "zerowatch.admitted"
 
 

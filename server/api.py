@@ -8,9 +8,13 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Annotated, Any, TypeVar
 
+import pydantic
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.openapi.models import Schema
 from fastapi.responses import JSONResponse, PlainTextResponse
-from zerowatch.server import heartbeats, read, store
+from zerowatch.server import heartbeats, ingest_path, read, store
+from zerowatch.server.auth import request_headers
 from zerowatch.server.body import BodyRoute
 from zerowatch.server.deps import DbDep, SettingsDep, require_read, require_write
 from zerowatch.server.read import compare as compare_read
@@ -170,20 +174,42 @@ class IngestAnswer:
     duplicates: int
 
 
+#: The events route's body in the OpenAPI description: the route reads it through the
+#: events door's decoder, not as a FastAPI body parameter (see `describe_event_batch`).
+_EVENT_BATCH_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/EventBatch"}}},
+    }
+}
+
+
 @router.post(
     "/runs/{run_id}/events",
     dependencies=Write,
     tags=["ingest"],
     response_model=IngestAnswer,
     responses={404: {"description": "unknown run"}, 413: {"description": "batch too large"}},
+    openapi_extra=_EVENT_BATCH_BODY,
 )
-async def ingest(run_id: RunId, batch: ev.EventBatch, request: Request) -> JSONResponse:
+async def ingest(run_id: RunId, request: Request) -> JSONResponse:
     """Store a batch of events (gzip allowed); idempotent on (run, rank, seq)."""
-    # The hot path: the batch joins the writer thread's next group; the loop awaits it.
-    with _refused():
-        result = await request.app.state.ingestor.submit_async(run_id=run_id, batch=batch)
-    result = _found(result, run_id)
+    # The app's edge answers this request itself (server/ingest_path.py); this route is
+    # the same door (ingest_path.store_batch) for an app served without that edge.
+    headers = request_headers(request.scope["headers"])
+    result = await ingest_path.store_batch(request.app.state, run_id, headers, request.receive)
     return JSONResponse({"accepted": result.accepted, "duplicates": result.duplicates})
+
+
+def describe_event_batch(openapi: dict[str, Any]) -> None:
+    """Add `events.EventBatch` and the schemas it refers to (pydantic's, as FastAPI makes
+    them for a body parameter) to an OpenAPI description's components."""
+    ref = "#/components/schemas/{model}"
+    schema = pydantic.TypeAdapter(ev.EventBatch).json_schema(ref_template=ref)
+    schemas = {**schema.pop("$defs", {}), "EventBatch": schema}
+    components = openapi.setdefault("components", {}).setdefault("schemas", {})
+    for name, value in schemas.items():  # written out as FastAPI writes its own (no nulls)
+        components[name] = jsonable_encoder(Schema(**value), by_alias=True, exclude_none=True)
 
 
 @router.post(
@@ -334,11 +360,13 @@ def trace(
         lo = int(a) if a else None
         hi = int(b) if b else None
     out = _of_run(trace_read.trace, run_id, db=db, step_from=lo, step_to=hi,
-                  max_steps=settings.max_trace_steps)  # fmt: skip
+                  max_steps=settings.max_trace_steps, max_spans=settings.max_trace_spans)  # fmt: skip
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)[:60]
-    return JSONResponse(
-        out, headers={"Content-Disposition": f'inline; filename="zerowatch-{safe}.trace.json"'}
-    )
+    headers = {"Content-Disposition": f'inline; filename="zerowatch-{safe}.trace.json"'}
+    cut = out["metadata"]["cut"]
+    if cut:  # the spans stopped at max_trace_spans: say so beside the body's metadata
+        headers["X-Zerowatch-Trace-Cut"] = f"{cut['spans_left_out']} spans left out"
+    return JSONResponse(out, headers=headers)
 
 
 @router.get(

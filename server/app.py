@@ -4,8 +4,8 @@ The app owns, on `app.state`: the `Settings`, the `Database` (opened and migrate
 app is created), the `Ingestor` (group commit, ingest.py), the `HeartbeatWriter`
 (heartbeats.py), the rollup `Compactor` (read/rollups.py), the `ReadGate` (read_gate.py:
 the writers wait while reads run) and the `Admission` bound on what agents POST
-(admission.py). The ingest fast path (ingest_path.py) sits in front of the middleware
-stack (`App.__call__`) and stores agents' event batches; every other request goes through
+(admission.py). The events door (ingest_path.py) sits in front of the middleware stack
+(`App.__call__`) and answers agents' event batches; every other request goes through
 FastAPI. Nothing a read answers lives only in this process: /metrics, run status and pages
 come from the database, so several server processes (`zerowatch serve --workers N`, or
 servers on one PostgreSQL database behind a load balancer) answer alike. Routes: the JSON
@@ -34,12 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import DBAPIError
 from starlette.concurrency import run_in_threadpool
-from zerowatch.server import api, db_errors
+from zerowatch.server import api, errors
 from zerowatch.server.admission import Admission, AdmissionMiddleware
 from zerowatch.server.db import Database
 from zerowatch.server.deps import require_read
@@ -54,41 +53,20 @@ from zerowatch.server.settings import Settings, SettingsError, get_settings
 
 import zerowatch
 
-log = logging.getLogger("zerowatch.server")
-
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def _message(errors: list[dict[str, Any]]) -> str:
-    parts = []
-    for e in errors[:5]:
-        loc = ".".join(str(x) for x in e.get("loc", ()))
-        parts.append(f"{loc}: {e.get('msg', 'invalid')}" if loc else str(e.get("msg", "invalid")))
-    return "; ".join(parts)
-
-
 def _install_error_handlers(app: FastAPI) -> None:
+    """The answers of validation and database errors (errors.py, shared with the events
+    door)."""
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = []
-        for e in exc.errors():
-            e = {k: v for k, v in e.items() if k not in ("input", "url")}
-            errors.append(jsonable_encoder(e, custom_encoder={Exception: str}))
-        return JSONResponse({"detail": errors, "message": _message(errors)}, status_code=422)
+        return errors.validation_answer(exc.errors())
 
     @app.exception_handler(DBAPIError)
     async def _db_failed(request: Request, exc: DBAPIError) -> JSONResponse:
-        answer = db_errors.classify(exc)
-        if answer is None:
-            log.error("database error on %s %s", request.method, request.url.path, exc_info=exc)
-            return JSONResponse({"detail": "internal server error"}, status_code=500)
-        log.warning("%s %s: %d: %s", request.method, request.url.path, answer.status,
-                    answer.detail)  # fmt: skip
-        return JSONResponse(
-            {"detail": answer.detail},
-            status_code=answer.status,
-            headers={"Retry-After": str(answer.retry_after_s)},
-        )
+        return errors.database_answer(exc, request.method, request.url.path)
 
 
 class RejectNulMiddleware:
@@ -181,14 +159,20 @@ KEEP_ALIVE_S = 35
 
 
 class App(FastAPI):
-    """The FastAPI app with the ingest fast path (server/ingest_path.py) in front of its
-    middleware stack: agents' event batches are stored and answered there; every other
-    request, and what the fast path leaves, goes through FastAPI as usual."""
+    """The FastAPI app with the events door (server/ingest_path.py) in front of its
+    middleware stack: agents' event batches are answered there; every other request goes
+    through FastAPI as usual."""
 
     ingest_fast_path: IngestFastPath
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await self.ingest_fast_path(scope, receive, send)
+
+    def openapi(self) -> dict[str, Any]:
+        """FastAPI's OpenAPI description, with the events route's body (api.py)."""
+        if self.openapi_schema is None:
+            api.describe_event_batch(super().openapi())
+        return self.openapi_schema  # type: ignore[return-value]
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -1,12 +1,15 @@
-"""Request bodies: size limit, gzip, and strict JSON, before FastAPI validates the schema.
+"""Request bodies: size limit, gzip, and strict JSON, before the schema is validated.
 
-`BodyRoute` is the API router's route class. Its request object
+`read_body` reads a request's body for every door: the events door (ingest_path.py) and
+the API router's route class, `BodyRoute`, whose request object reads its body with it. It
 - refuses bodies over `Settings.max_batch_bytes` (413), counting as it reads and again
   after decompressing, so neither a large upload nor a gzip bomb gets through;
 - decompresses `Content-Encoding: gzip` (400 naming the header when it is not gzip);
-- parses JSON strictly: NaN/Infinity, numbers that overflow a float or a 64-bit integer,
-  and strings that the database cannot store (NUL, lone surrogates) are 422s that say so,
-  instead of values that would fail later inside an INSERT.
+  another encoding is a 415.
+`loads_strict` parses JSON strictly: NaN/Infinity, numbers that overflow a float or a
+64-bit integer, and strings that the database cannot store (NUL, lone surrogates) are
+422s that say so, instead of values that would fail later inside an INSERT (the
+`BodyRequest`'s `json()`, and the events decoder's careful pass, decode.py).
 
 Parsing is the ingest path's first cost per rank-step. orjson parses a body in C and
 refuses NaN, Infinity, floats that overflow and unpaired surrogates by itself; a body it
@@ -26,16 +29,20 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, MutableMapping
 from typing import Any
 
 import orjson
 from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
+from starlette.requests import ClientDisconnect
+from zerowatch.server.auth import request_headers
 from zlib_ng import zlib_ng
 
 #: zlib-ng's error (its stub types it as a value, not a class).
 _INFLATE_ERROR: type[Exception] = zlib_ng.error  # type: ignore[assignment]
+
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
 INT64_MAX = 2**63 - 1
 _SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -134,27 +141,8 @@ class BodyRequest(Request):
 
     async def body(self) -> bytes:
         if not hasattr(self, "_body"):
-            limit = self._limit()
-            declared = self.headers.get("content-length")
-            if declared is not None and declared.isdigit() and int(declared) > limit:
-                raise HTTPException(
-                    413, f"request body of {declared} bytes exceeds max_batch_bytes ({limit})"
-                )
-            chunks, size = [], 0
-            async for chunk in self.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise HTTPException(413, f"request body exceeds max_batch_bytes ({limit})")
-                chunks.append(chunk)
-            raw = b"".join(chunks)
-            encoding = self.headers.get("content-encoding", "identity").strip().lower()
-            if encoding == "gzip" and raw:
-                raw = gunzip(raw, limit)
-            elif encoding not in ("identity", "", "gzip"):
-                raise HTTPException(
-                    415, f"Content-Encoding {encoding!r} is not supported (use gzip)"
-                )
-            self._body = raw
+            headers = request_headers(self.scope.get("headers", ()))
+            self._body = await read_body(self.receive, headers, self._limit())
         return self._body
 
     async def json(self) -> Any:
@@ -165,6 +153,46 @@ class BodyRequest(Request):
             except BodyError as e:
                 raise _error(("body",), str(e), "value_error") from None
         return self._json
+
+
+async def read_body(receive: Receive, headers: Mapping[bytes, bytes], limit: int) -> bytes:
+    """The request's body, inflated when it is gzip.
+
+    Args:
+        receive: the ASGI receive of the request.
+        headers: its headers (auth.request_headers).
+        limit: the most bytes the body may hold, sent or inflated (`max_batch_bytes`).
+
+    Raises:
+        HTTPException: 413 past `limit` (declared, read or inflated), 400 for a body that
+            is not whole gzip, 415 for an encoding other than gzip or identity.
+        ClientDisconnect: the client went away.
+    """
+    declared = headers.get(b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise HTTPException(
+            413, f"request body of {declared.decode()} bytes exceeds max_batch_bytes ({limit})"
+        )
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientDisconnect
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise HTTPException(413, f"request body exceeds max_batch_bytes ({limit})")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    raw = b"".join(chunks)
+    encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+    if encoding == b"gzip":
+        return gunzip(raw, limit) if raw else raw
+    if encoding not in (b"identity", b""):
+        shown = encoding.decode("latin-1")
+        raise HTTPException(415, f"Content-Encoding {shown!r} is not supported (use gzip)")
+    return raw
 
 
 def gunzip(raw: bytes, limit: int) -> bytes:
@@ -206,4 +234,5 @@ __all__ = [
     "gunzip",
     "loads_strict",
     "may_hold_long_int",
+    "read_body",
 ]

@@ -2,9 +2,10 @@
 
 The app keeps one `Settings` and one `Database` on `app.state`; routes take them through
 the `Annotated` aliases below (the events route reaches the app's `Ingestor` on
-`app.state` itself, as the ingest fast path does). Token rules: with `Settings.token` set, ingest and
-delete need `Authorization: Bearer <token>` (401 without it, 403 with another), and reads
-need it too when `read_requires_token` is set.
+`app.state` itself, as the events door does). The token is checked by auth.authenticate,
+the one function every door uses: with `Settings.token` set, ingest and delete need
+`Authorization: Bearer <token>` (401 without it, 403 with another), and reads need it too
+when `read_requires_token` is set.
 
 The dependencies are `async def` on purpose: they do no I/O, and FastAPI runs a plain `def`
 dependency in the thread pool, a thread hop per dependency per request.
@@ -12,14 +13,16 @@ dependency in the thread pool, a thread hop per dependency per request.
 
 from __future__ import annotations
 
-import secrets
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request
+from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from zerowatch.server.auth import authenticate, request_headers
 from zerowatch.server.db import Database
 from zerowatch.server.settings import Settings
 
+#: Names the bearer scheme in the OpenAPI description (its value is not read: the token is
+#: checked by auth.authenticate on the request's own headers).
 _bearer = HTTPBearer(auto_error=False, description="The server's token (ZEROWATCH_TOKEN).")
 
 
@@ -36,38 +39,23 @@ DbDep = Annotated[Database, Depends(_db)]
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
-def check_token(settings: Settings, credentials: HTTPAuthorizationCredentials | None) -> None:
-    """Raise 401/403 unless the request carries the configured token (or none is set)."""
-    if settings.token is None:
-        return
-    if credentials is None or not credentials.credentials:
-        raise HTTPException(
-            401,
-            "this server needs a token: send Authorization: Bearer <token>",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-    if not secrets.compare_digest(credentials.credentials.encode(), settings.token.encode()):
-        raise HTTPException(403, "wrong token")
-
-
-async def require_write(request: Request, credentials: Credentials) -> None:
+async def require_write(request: Request, _scheme: Credentials) -> None:
     """Ingest and delete: the token when one is configured. (The settings come straight from
-    the app, not through SettingsDep: one dependency fewer to solve on the ingest path.)"""
-    check_token(request.app.state.settings, credentials)
+    the app, not through SettingsDep: one dependency fewer to solve.)"""
+    authenticate(request.app.state.settings.token, request_headers(request.scope["headers"]))
 
 
-async def require_read(request: Request, credentials: Credentials) -> None:
+async def require_read(request: Request, _scheme: Credentials) -> None:
     """Reads: the token only when `read_requires_token` is set."""
     settings: Settings = request.app.state.settings
     if settings.read_requires_token:
-        check_token(settings, credentials)
+        authenticate(settings.token, request_headers(request.scope["headers"]))
 
 
 __all__ = [
     "Credentials",
     "DbDep",
     "SettingsDep",
-    "check_token",
     "require_read",
     "require_write",
 ]

@@ -1,5 +1,6 @@
-"""The ingest route's fast path (server/ingest_path.py) stores a valid batch without the
-FastAPI route, and hands everything else to the route, which answers exactly as before."""
+"""The events door (server/ingest_path.py) answers every events POST in front of FastAPI,
+valid or not, as the FastAPI route (its thin adapter) answers it; the one decoder's fast
+pass (msgspec) reads a body as its careful pass does, or leaves it to that pass."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ from typing import Any
 
 import msgspec
 import orjson
-import pydantic
 import pytest
+from fastapi import HTTPException
+from fastapi.exceptions import RequestValidationError
 from fastapi.testclient import TestClient
+from zerowatch.server import ingest_path
 from zerowatch.server.app import create_app
-from zerowatch.server.body import BodyError, loads_strict
-from zerowatch.server.ingest_path import IngestFastPath, decode_batch
+from zerowatch.server.decode import careful_batch
+from zerowatch.server.decode import fast_batch as decode_batch
+from zerowatch.server.ingest_path import IngestFastPath
 from zerowatch.server.settings import Settings
 
 from zerowatch import events as ev
@@ -68,8 +72,16 @@ def test_a_valid_batch_is_stored_without_the_route(routed: tuple[TestClient, lis
     assert [x["steps"] for x in ranks] == [3, 3]
 
 
-def test_everything_else_is_answered_by_the_route(routed: tuple[TestClient, list[str]]) -> None:
+@pytest.mark.parametrize("door", ["edge", "route"])
+def test_every_answer_is_the_doors_own_and_the_routes_alike(
+    routed: tuple[TestClient, list[str]], monkeypatch: pytest.MonkeyPatch, door: str
+) -> None:
+    """What is not stored is answered by the door itself (the FastAPI app behind it is not
+    asked), with the status and words of the route; the route, reached when the edge
+    leaves the request (an app without it), answers alike through the same functions."""
     c, seen = routed
+    if door == "route":
+        monkeypatch.setattr(ingest_path, "PREFIX", "/not/this/one/")
     good = _body([simulate.step_event(SPEC, 0, 0)])
     bad_rank = _body([simulate.step_event(dataclasses.replace(SPEC, world_size=9), 7, 0)])
     cases: list[tuple[dict[str, Any], int, str]] = [
@@ -84,30 +96,32 @@ def test_everything_else_is_answered_by_the_route(routed: tuple[TestClient, list
         ({"content": b"x" * 200_001}, 413, "max_batch_bytes"),
         ({"content": bad_rank}, 422, "world_size"),
     ]
+    expected = [] if door == "edge" else ["/api/v1/runs/fast/events"]
     for kwargs, status, says in cases:
         seen.clear()
         r = c.post("/api/v1/runs/fast/events", **kwargs)
         assert r.status_code == status, (kwargs.get("headers"), r.text)
         assert says in r.text
-        assert seen == ["/api/v1/runs/fast/events"], (kwargs.get("headers"), seen, status)
+        assert r.headers["x-frame-options"] == "DENY"
+        assert seen == expected, (kwargs.get("headers"), seen, status)
     seen.clear()
     r = c.post("/api/v1/runs/nope/events", content=_body([simulate.step_event(SPEC, 0, 0)], "nope"))
     assert r.status_code == 404 and "nope" in r.text
-    assert seen == ["/api/v1/runs/nope/events"]
+    assert seen == [p.replace("fast", "nope") for p in expected]
     ranks = c.get("/api/v1/runs/fast/ranks").json()["ranks"]
     assert sum(x["steps"] for x in ranks) == 0  # nothing of the refused batches was stored
+    r = c.post("/api/v1/runs/fast/events", content=good)
+    assert r.status_code == 200 and r.json() == {"accepted": 1, "duplicates": 0}
 
 
 def _route_decode(raw: bytes) -> ev.EventBatch | None:
-    """What the route makes of a body: strict JSON (body.py), then pydantic's validation of
-    the parsed objects, as FastAPI validates the route's body; None when it refuses it."""
+    """What the decoder's careful pass (strict JSON, then pydantic's validation of the
+    parsed objects, as FastAPI validates a route's body) makes of a body; None when it
+    refuses it."""
     try:
-        return _ROUTE_BATCH.validate_python(loads_strict(raw))
-    except (BodyError, ValueError, pydantic.ValidationError):
+        return careful_batch(raw)
+    except (HTTPException, RequestValidationError):
         return None
-
-
-_ROUTE_BATCH = pydantic.TypeAdapter(ev.EventBatch)
 
 
 def _values(obj: Any) -> Any:
@@ -203,9 +217,10 @@ def test_the_fast_decoder_reads_a_body_as_the_route_does_or_leaves_it() -> None:
 def test_the_edge_admits_a_batch_once_and_sheds_past_the_bound(
     routed: tuple[TestClient, list[str]],
 ) -> None:
-    """The fast path sits in front of the app's middleware: it does admission itself (503 +
-    Retry-After past the bound, with the app's security headers), and a batch it hands to
-    the route is not counted a second time by the admission middleware."""
+    """The door sits in front of the app's middleware: it does admission itself (503 +
+    Retry-After past the bound, with the app's security headers), a request without the
+    right token is answered before it takes a slot, and what the door leaves to the app (a
+    URL with a NUL) is not counted a second time by the admission middleware."""
     c, seen = routed
     admission = c.app.state.admission  # type: ignore[attr-defined]
     body = _body([simulate.step_event(SPEC, 0, 0)])
@@ -222,7 +237,7 @@ def test_the_edge_admits_a_batch_once_and_sheds_past_the_bound(
     assert r.status_code == 200 and r.json() == {"accepted": 1, "duplicates": 0}
     assert r.headers["content-type"] == "application/json" and seen == []
     r = c.post("/api/v1/runs/fast/events", content=body, headers={"Authorization": "Bearer x"})
-    assert r.status_code == 403 and seen == ["/api/v1/runs/fast/events"]  # the route's answer
+    assert r.status_code == 403 and seen == []  # the door's answer, before admission
     r = c.post("/api/v1/runs/fast/events%00", content=body)
     assert r.status_code == 400
     assert admission.pending == 0  # each admitted once, released once
