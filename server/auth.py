@@ -39,7 +39,9 @@ def request_headers(raw: Iterable[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
     found: dict[bytes, bytes] = {}
     for name, value in raw:
         name = name.lower()
-        found.setdefault(name, value)
+        if name in found and name in ONCE:
+            raise HTTPException(400, f"the {ONCE[name]} header is sent twice: send it once")
+        found[name] = value
     return found
 
 

@@ -1,0 +1,77 @@
+"""What a hostile or broken client sends to ingest gets one answer, whichever way it comes
+in: a header that decides the request, sent twice, is refused naming it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+from support.server_api import asdict, batch_body, gz
+from zerowatch.server.app import create_app
+from zerowatch.server.settings import Settings
+
+from zerowatch import simulate
+
+SPEC = simulate.SimSpec(world_size=2)
+TOKEN = "s3cret"
+OK = ("authorization", f"Bearer {TOKEN}")
+JSON = ("content-type", "application/json")
+GZIP = ("content-encoding", "gzip")
+
+
+@pytest.fixture
+def guarded(sqlite_url: str) -> Iterator[TestClient]:
+    """An app with a token, a run "h" created, and a client that sends no header of its own."""
+    with TestClient(create_app(Settings(db_url=sqlite_url, token=TOKEN))) as c:
+        rc = asdict(simulate.run_create(SPEC, run_id="h"))
+        assert c.post("/api/v1/runs", json=rc, headers=[OK]).status_code == 201
+        yield c
+
+
+def _stored(c: TestClient) -> int:
+    return sum(x["steps"] for x in c.get("/api/v1/runs/h/ranks").json()["ranks"])
+
+
+def test_a_header_sent_twice_is_refused_naming_it(guarded: TestClient) -> None:
+    """Two Authorization (or Content-Type, Content-Encoding) headers are not read one way
+    by one layer and the other way by the next: the request is a 400 naming the header,
+    whichever comes first, on ingest, run creation, heartbeats and delete alike."""
+    c = guarded
+    body = gz(batch_body("h", [simulate.step_event(SPEC, 0, 0)]))
+    events = "/api/v1/runs/h/events"
+    nope = ("authorization", "Bearer nope")
+    cases = [
+        ([nope, OK, JSON, GZIP], "Authorization"),
+        ([OK, nope, JSON, GZIP], "Authorization"),
+        ([OK, OK, JSON, GZIP], "Authorization"),
+        ([OK, JSON, ("content-type", "text/plain"), GZIP], "Content-Type"),
+        ([OK, JSON, GZIP, ("content-encoding", "identity")], "Content-Encoding"),
+    ]
+    for headers, name in cases:
+        r = c.post(events, content=body, headers=headers)
+        assert r.status_code == 400, (headers, r.text)
+        assert name in r.json()["detail"], r.text
+        assert r.headers["x-frame-options"] == "DENY"
+    assert _stored(c) == 0
+    rc = asdict(simulate.run_create(SPEC, run_id="h2"))
+    r = c.post("/api/v1/runs", json=rc, headers=[nope, OK])
+    assert r.status_code == 400 and "Authorization" in r.text
+    beat = {"run_id": "h", "heartbeats": []}
+    r = c.post("/api/v1/runs/h/heartbeats", json=beat, headers=[OK, nope])
+    assert r.status_code == 400 and "Authorization" in r.text
+    r = c.delete("/api/v1/runs/h", headers=[nope, OK])
+    assert r.status_code == 400 and "Authorization" in r.text
+    r = c.post("/api/v1/runs", content=gz(rc), headers=[OK, JSON, GZIP, GZIP])
+    assert r.status_code == 400 and "Content-Encoding" in r.text
+    assert c.get("/api/v1/runs/h2").status_code == 404  # nothing of it was created
+    assert c.post(events, content=body, headers=[OK, JSON, GZIP]).json()["accepted"] == 1
+
+
+def test_reads_that_need_the_token_refuse_it_twice(sqlite_url: str) -> None:
+    settings = Settings(db_url=sqlite_url, token=TOKEN, read_requires_token=True)
+    with TestClient(create_app(settings)) as c:
+        assert c.get("/api/v1/runs", headers=[OK]).status_code == 200
+        for path in ("/api/v1/runs", "/metrics"):
+            r = c.get(path, headers=[("authorization", "Bearer nope"), OK])
+            assert r.status_code == 400 and "Authorization" in r.text, path
