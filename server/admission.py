@@ -21,6 +21,11 @@ so they return at about the rate the writer drains, instead of all at once again
 falls back to "now" when the crowd is gone, and never runs further ahead than
 `max_retry_after_s` (60). The agent waits at least S (with jitter).
 
+What is shed first is not even admitted: a POST without the token (auth.authenticate, from
+its headers) is answered 401/403 at once and holds no slot, so clients that trickle in the
+bodies of unauthenticated POSTs cannot fill the bound and lock the agents out (the events
+door, ingest_path.py, does the same before it admits).
+
 Pure ASGI (no request object, no body read): shedding costs the server next to nothing.
 """
 
@@ -32,6 +37,10 @@ import re
 import threading
 import time
 from typing import Any
+
+from fastapi import HTTPException
+from zerowatch.server import errors
+from zerowatch.server.auth import authenticate, request_headers
 
 #: What agents POST: their RunCreate (every rank, idempotent) and their event batches.
 _INGEST_PATH = re.compile(r"^/api/v1/runs(/[^/]+/events)?/?$")
@@ -122,11 +131,15 @@ ADMITTED = "zerowatch.admitted"
 
 
 class AdmissionMiddleware:
-    """Sheds agents' POSTs past `Admission.max_pending` with 503 + Retry-After (see module)."""
+    """Sheds agents' POSTs past `Admission.max_pending` with 503 + Retry-After (see module).
 
-    def __init__(self, app: Any, admission: Admission) -> None:
+    A POST without the token (`token`, checked by auth.authenticate on its headers) is
+    answered 401/403 before it is admitted: it holds no slot while its body trickles in."""
+
+    def __init__(self, app: Any, admission: Admission, token: str | None = None) -> None:
         self.app = app
         self.admission = admission
+        self.token = token
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if (
@@ -136,6 +149,11 @@ class AdmissionMiddleware:
             or scope.get(ADMITTED)
         ):
             await self.app(scope, receive, send)
+            return
+        try:
+            authenticate(self.token, request_headers(scope.get("headers", ())))
+        except HTTPException as e:
+            await errors.answer(e, scope["method"], scope["path"])(scope, receive, send)
             return
         await admitted(self.admission, self.app, scope, receive, send)
 

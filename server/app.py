@@ -240,7 +240,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.ingest_fast_path = IngestFastPath(functools.partial(FastAPI.__call__, app), app.state)
     _install_error_handlers(app)
     app.add_middleware(RejectNulMiddleware)
-    app.add_middleware(AdmissionMiddleware, admission=admission)
+    app.add_middleware(AdmissionMiddleware, admission=admission, token=settings.token)
     app.add_middleware(SecurityHeadersMiddleware)
     app.add_middleware(ReadGateMiddleware, gate=gate)  # outermost: the whole read counts
     app.include_router(api.router)

@@ -1,12 +1,18 @@
 """What a hostile or broken client sends to ingest gets one answer, whichever way it comes
-in: a header that decides the request, sent twice, is refused naming it."""
+in: a header that decides the request, sent twice, is refused naming it; a request without
+the token is answered before its body is read and holds no ingest slot while the body
+trickles in."""
 
 from __future__ import annotations
 
+import socket
+import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
+from support.live_server import LiveServer
 from support.server_api import asdict, batch_body, gz
 from zerowatch.server.app import create_app
 from zerowatch.server.settings import Settings
@@ -75,3 +81,42 @@ def test_reads_that_need_the_token_refuse_it_twice(sqlite_url: str) -> None:
         for path in ("/api/v1/runs", "/metrics"):
             r = c.get(path, headers=[("authorization", "Bearer nope"), OK])
             assert r.status_code == 400 and "Authorization" in r.text, path
+
+
+def _slow_sender(port: int, path: str, token: str | None) -> socket.socket:
+    """A connection that sends a POST's headers and the first bytes of its body, then waits."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    s.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+        f"Content-Length: 100000\r\n\r\n{{".encode()
+    )
+    return s
+
+
+def test_slow_senders_without_the_token_do_not_lock_agents_out() -> None:
+    """More unauthenticated requests than the ingest bound, their bodies trickling in, take
+    no slot: each is answered 401/403 from its headers, and an agent's POSTs (run creation
+    and events) are stored, not turned away with 503."""
+    limit = 4
+    with LiveServer(token=TOKEN, settings={"ingest_max_pending": limit}) as server:
+        paths = ["/api/v1/runs/h/events", "/api/v1/runs"]
+        slow = [
+            _slow_sender(server.port, paths[i % 2], None if i % 3 else "nope")
+            for i in range(3 * limit)
+        ]
+        try:
+            time.sleep(0.5)  # the server has read every slow request's headers
+            with httpx.Client(base_url=server.url, headers=server.headers, timeout=10) as c:
+                rc = asdict(simulate.run_create(SPEC, run_id="h"))
+                r = c.post("/api/v1/runs", json=rc)
+                assert r.status_code == 201, r.text
+                body = gz(batch_body("h", [simulate.step_event(SPEC, 0, 0)]))
+                r = c.post("/api/v1/runs/h/events", content=body, headers=dict([JSON, GZIP]))
+                assert r.status_code == 200 and r.json()["accepted"] == 1, r.text
+            for s in slow:  # answered from the headers alone, the body still unsent
+                head = s.recv(200)
+                assert head.startswith((b"HTTP/1.1 401", b"HTTP/1.1 403")), head
+        finally:
+            for s in slow:
+                s.close()
