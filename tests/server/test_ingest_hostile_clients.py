@@ -1,7 +1,7 @@
 """What a hostile or broken client sends to ingest gets one answer, whichever way it comes
 in: a header that decides the request, sent twice, is refused naming it; a request without
 the token is answered before its body is read and holds no ingest slot while the body
-trickles in."""
+trickles in; a gzip body is one whole gzip member and nothing after it."""
 
 from __future__ import annotations
 
@@ -81,6 +81,23 @@ def test_reads_that_need_the_token_refuse_it_twice(sqlite_url: str) -> None:
         for path in ("/api/v1/runs", "/metrics"):
             r = c.get(path, headers=[("authorization", "Bearer nope"), OK])
             assert r.status_code == 400 and "Authorization" in r.text, path
+
+
+def test_a_gzip_body_is_one_member_and_nothing_after_it(guarded: TestClient) -> None:
+    """Bytes after the first gzip member (a second member, or junk) make the body invalid
+    gzip (400), as docs/server.md says; nothing of it is stored."""
+    c = guarded
+    member = gz(batch_body("h", [simulate.step_event(SPEC, 0, 0)]))
+    second = gz(batch_body("h", [simulate.step_event(SPEC, 1, 0)]))
+    for body in (member + second, member + b"junk", member + b"\x00"):
+        r = c.post("/api/v1/runs/h/events", content=body, headers=[OK, JSON, GZIP])
+        assert r.status_code == 400 and "gzip" in r.json()["detail"], r.text
+    rc = gz(asdict(simulate.run_create(SPEC, run_id="h3")))
+    r = c.post("/api/v1/runs", content=rc + b"junk", headers=[OK, JSON, GZIP])
+    assert r.status_code == 400 and "gzip" in r.text
+    assert _stored(c) == 0
+    r = c.post("/api/v1/runs/h/events", content=member, headers=[OK, JSON, GZIP])
+    assert r.json() == {"accepted": 1, "duplicates": 0}
 
 
 def _slow_sender(port: int, path: str, token: str | None) -> socket.socket:
