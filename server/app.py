@@ -42,6 +42,12 @@ from zerowatch.server import api, errors
 from zerowatch.server.admission import Admission, AdmissionMiddleware
 from zerowatch.server.db import Database
 from zerowatch.server.deps import require_read
+from zerowatch.server.edge import (
+    TrustedHosts,
+    deadline_protocol,
+    default_allowed_hosts,
+    parse_hosts,
+)
 from zerowatch.server.heartbeats import HeartbeatWriter
 from zerowatch.server.ingest import Ingestor
 from zerowatch.server.ingest_path import IngestFastPath
@@ -159,14 +165,16 @@ KEEP_ALIVE_S = 35
 
 
 class App(FastAPI):
-    """The FastAPI app with the events door (server/ingest_path.py) in front of its
-    middleware stack: agents' event batches are answered there; every other request goes
-    through FastAPI as usual."""
+    """The FastAPI app behind its edge: the Host check (server/edge.py), then the events
+    door (server/ingest_path.py) in front of its middleware stack: agents' event batches
+    are answered there; every other request goes through FastAPI as usual."""
 
     ingest_fast_path: IngestFastPath
+    #: The outermost ASGI callable: TrustedHosts over the events door (create_app).
+    edge: Any
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await self.ingest_fast_path(scope, receive, send)
+        await self.edge(scope, receive, send)
 
     def openapi(self) -> dict[str, Any]:
         """FastAPI's OpenAPI description, with the events route's body (api.py)."""
@@ -223,6 +231,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = App(
         docs_url=None,  # served by _install_docs
+        redoc_url=None,  # ReDoc loads its script from a CDN, which the CSP refuses
         title="zerowatch",
         version=zerowatch.__version__,
         description="Observability for ZeRO-sharded training: runs, ingest, series, compare, trace.",
@@ -238,6 +247,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.read_gate = gate
     app.state.admission = admission = Admission(settings.ingest_max_pending)
     app.ingest_fast_path = IngestFastPath(functools.partial(FastAPI.__call__, app), app.state)
+    app.edge = TrustedHosts(app.ingest_fast_path, parse_hosts(settings.allowed_hosts))
     _install_error_handlers(app)
     app.add_middleware(RejectNulMiddleware)
     app.add_middleware(AdmissionMiddleware, admission=admission, token=settings.token)
@@ -251,11 +261,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
         `pid` lets a launcher (`zerowatch demo`) tell its own server from another one that
         holds the port."""
+        # With reads closed (read_requires_token), it says no more than up or down: no pid,
+        # version or driver error (which names the database's host and port).
+        private = settings.read_requires_token
         try:
             with db.read() as conn:
                 conn.exec_driver_sql("SELECT 1")
         except Exception as e:
-            return JSONResponse({"status": "error", "database": str(e)[:200]}, status_code=503)  # type: ignore[return-value]
+            why = "unavailable" if private else str(e)[:200]
+            return JSONResponse({"status": "error", "database": why}, status_code=503)  # type: ignore[return-value]
+        if private:
+            return {"status": "ok"}
         return {
             "status": "ok",
             "database": db.dialect,
@@ -298,8 +314,14 @@ def serve(
     db_url: str | None = None,
     token: str | None = None,
     workers: int = 1,
+    allowed_hosts: str | None = None,
 ) -> None:
     """Run the server with uvicorn (blocks). None for db_url/token: from the environment.
+
+    `allowed_hosts` (comma-separated, "*" for any): the Host names it answers to; default
+    `$ZEROWATCH_ALLOWED_HOSTS`, else localhost, `host` and this machine's names and
+    addresses (server/edge.py). Each connection gets the head and body deadlines of the
+    settings (`head_timeout_s`, `body_timeout_s`).
 
     `workers` > 1 starts that many processes on one port (uvicorn's workers); they share
     nothing but the database, which must then be PostgreSQL (SQLite allows one writer
@@ -310,7 +332,11 @@ def serve(
     """
     import uvicorn
 
-    settings = Settings.from_env(db_url=db_url, token=token)
+    if allowed_hosts is None and not os.environ.get("ZEROWATCH_ALLOWED_HOSTS"):
+        allowed_hosts = default_allowed_hosts(host)
+    extra = {"allowed_hosts": allowed_hosts} if allowed_hosts is not None else {}
+    settings = Settings.from_env(db_url=db_url, token=token, **extra)
+    protocol = deadline_protocol(settings.head_timeout_s, settings.body_timeout_s) or "auto"
     _raise_open_files_limit()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -325,6 +351,7 @@ def serve(
         os.environ["ZEROWATCH_DB_URL"] = settings.db_url
         if settings.token:
             os.environ["ZEROWATCH_TOKEN"] = settings.token
+        os.environ["ZEROWATCH_ALLOWED_HOSTS"] = settings.allowed_hosts
         Database.open(settings.db_url).close()  # migrate once, before the workers race
         uvicorn.run(
             "zerowatch.server.app:app_from_env",
@@ -335,12 +362,13 @@ def serve(
             log_level="info",
             access_log=False,
             timeout_keep_alive=KEEP_ALIVE_S,
+            http=protocol,
         )
         return
     app = create_app(settings)
     uvicorn.run(
         app, host=host, port=port, log_level="info", access_log=False,
-        timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_keep_alive=KEEP_ALIVE_S, http=protocol,
     )  # fmt: skip
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from zerowatch.server.auth import authenticate, request_headers
 from zerowatch.server.db import Database
@@ -40,9 +40,18 @@ Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
 async def require_write(request: Request, _scheme: Credentials) -> None:
-    """Ingest and delete: the token when one is configured. (The settings come straight from
-    the app, not through SettingsDep: one dependency fewer to solve.)"""
-    authenticate(request.app.state.settings.token, request_headers(request.scope["headers"]))
+    """Ingest and delete: the token when one is configured; a delete without a configured
+    token only where `allow_delete_without_token` says so (any page a browser opens could
+    send one). (The settings come straight from the app, not through SettingsDep: one
+    dependency fewer to solve.)"""
+    settings: Settings = request.app.state.settings
+    if request.method == "DELETE" and not settings.token and not settings.allow_delete_without_token:
+        raise HTTPException(
+            403, "deleting a run needs a token (ZEROWATCH_TOKEN), or "
+            "ZEROWATCH_ALLOW_DELETE_WITHOUT_TOKEN=1 on a server no browser of another site "
+            "can reach",
+        )  # fmt: skip
+    authenticate(settings.token, request_headers(request.scope["headers"]))
 
 
 async def require_read(request: Request, _scheme: Credentials) -> None:

@@ -15,8 +15,9 @@ Every response carries:
 - `X-Content-Type-Options: nosniff`: a JSON or text answer is never read as a script.
 - `Referrer-Policy: same-origin`: a link out of a page does not hand run ids to other sites.
 
-A plain ASGI middleware (no request body buffering), so the ingest path pays only a list
-append per response.
+A redirect's `Location` is made relative (the path alone): a redirect never names the host
+a request claimed. A plain ASGI middleware (no request body buffering), so the ingest path
+pays only a list append per response.
 """
 
 from __future__ import annotations
@@ -46,6 +47,17 @@ HEADERS: tuple[tuple[bytes, bytes], ...] = (
 )
 
 
+def _relative(location: bytes) -> bytes:
+    """A redirect's target without scheme and host ("http://h:1/runs/x" -> "/runs/x"): the
+    server's redirects stay on the server whatever Host the request named."""
+    for scheme in (b"http://", b"https://"):
+        if location.startswith(scheme):
+            rest = location[len(scheme) :]
+            slash = rest.find(b"/")
+            return rest[slash:] if slash >= 0 else b"/"
+    return location
+
+
 class SecurityHeadersMiddleware:
     """Add `HEADERS` to every HTTP response that does not set them itself."""
 
@@ -59,7 +71,8 @@ class SecurityHeadersMiddleware:
 
         async def send_with_headers(message: Any) -> None:
             if message["type"] == "http.response.start":
-                headers = list(message.get("headers", ()))
+                headers = [(k, _relative(v) if k.lower() == b"location" else v)
+                           for k, v in message.get("headers", ())]  # fmt: skip
                 present = {k.lower() for k, _ in headers}
                 headers += [(k, v) for k, v in HEADERS if k not in present]
                 message = {**message, "headers": headers}

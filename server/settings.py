@@ -45,6 +45,9 @@ class Settings:
     recent_steps: int = 20
     #: Most steps one trace export may cover.
     max_trace_steps: int = 200
+    #: Most spans in one trace export (the sampled steps' phase, collective and offload
+    #: slices); beyond them the export is cut and says so (X-Zerowatch-Trace-Cut).
+    max_trace_spans: int = 250_000
     #: How often the compactor rolls dirty steps up, and how long a step's first rank
     #: waits for the others before its first rollup (reads are exact either way).
     rollup_interval_s: float = 0.5
@@ -67,11 +70,23 @@ class Settings:
     #: is read (server/admission.py), so agents replaying their spools all at once cannot
     #: grow the writer's queue, or memory, without bound.
     ingest_max_pending: int = 128
+    #: Host names the server answers to (comma-separated; "*": any). `zerowatch serve`
+    #: defaults to localhost, the address it binds and this machine's names and addresses
+    #: (server/edge.py); an app built directly answers any host unless told.
+    allowed_hosts: str = "*"
+    #: DELETE of a run without a configured token (a server without `token` otherwise
+    #: refuses deletes: any page a browser opens could send one).
+    allow_delete_without_token: bool = False
+    #: Seconds a connection has to send a request's head, and then its body, before it is
+    #: closed (`zerowatch serve`; server/edge.py).
+    head_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.db_url:
             raise SettingsError("db_url: must not be empty")
-        for name in ("stalled_after_s", "finished_grace_s", "forget_silent_after_s"):
+        for name in ("stalled_after_s", "finished_grace_s", "forget_silent_after_s",
+                     "head_timeout_s", "body_timeout_s"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name}: must be > 0, got {getattr(self, name)}")
         for name in ("rollup_interval_s", "rollup_settle_s", "rollup_incomplete_s"):
@@ -81,7 +96,8 @@ class Settings:
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name}: must be >= 0, got {getattr(self, name)}")
         for name in ("max_batch_bytes", "trace_sample_every", "recent_steps", "max_trace_steps",
-                     "retention_every", "ingest_max_pending", "metrics_max_runs"):  # fmt: skip
+                     "retention_every", "ingest_max_pending", "metrics_max_runs",
+                     "max_trace_spans"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.token == "":

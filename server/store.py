@@ -108,6 +108,11 @@ def check_schema_version(version: int) -> None:
 MAX_RUN_ID_CHARS = 200
 MAX_WORLD_SIZE = 1_000_000
 MAX_JOB_CHARS = 200
+#: Spans one step event may carry: the agent's own cap (agent/config.py max_spans_per_step
+#: default 4,096) with room for an agent set higher; the trace export reads what is stored.
+MAX_SPANS_PER_STEP = 16_384
+#: Checkpoint calls one event may carry (an agent sends the few since its last event).
+MAX_CHECKPOINTS_PER_EVENT = 64
 #: A new run's text fields: at most this many characters (what a page, /metrics and a
 #: list answer carry per run stays small, whatever a client sends).
 RUN_TEXT_LIMITS = {"name": 200, "project": 100, "job": MAX_JOB_CHARS, "engine": 64,
@@ -257,12 +262,18 @@ def validate_batch(batch: ev.EventBatch, *, run_id: str, world_size: int) -> Non
             )
         if e.seq < 0:
             raise BatchError((*loc, "seq"), f"must be >= 0, got {e.seq}")
+        if len(e.checkpoints) > MAX_CHECKPOINTS_PER_EVENT:
+            raise BatchError((*loc, "checkpoints"), f"at most {MAX_CHECKPOINTS_PER_EVENT}, "
+                                                    f"got {len(e.checkpoints)}")  # fmt: skip
         if isinstance(e, ev.EndEvent):
             if e.time != e.time or abs(e.time) == float("inf"):
                 raise BatchError((*loc, "time"), "must be a finite number")
             continue
         if e.step < 0:
             raise BatchError((*loc, "step"), f"must be >= 0, got {e.step}")
+        if e.spans is not None and len(e.spans) > MAX_SPANS_PER_STEP:
+            raise BatchError((*loc, "spans"), f"at most {MAX_SPANS_PER_STEP} spans a step "
+                                              f"(the agent's max_spans_per_step), got {len(e.spans)}")  # fmt: skip
         for j, c in enumerate(e.collectives):
             if len(c.buckets) != N_BUCKETS:
                 raise BatchError(

@@ -76,6 +76,14 @@ def serve(
             help="Server processes on the port; more than 1 needs PostgreSQL (--db).",
         ),
     ] = 1,
+    allowed_hosts: Annotated[
+        str | None,
+        typer.Option(
+            help="Host names the server answers to, comma-separated, '*' for any [env: "
+            "ZEROWATCH_ALLOWED_HOSTS; default: localhost, --host and this machine's names "
+            "and addresses]",
+        ),
+    ] = None,
 ) -> None:
     """Run the zerowatch server (API, dashboards, /metrics)."""
     from zerowatch.server.app import serve as _serve
@@ -94,7 +102,8 @@ def serve(
         # process at once (nothing is served or half-written yet: SQLite and PostgreSQL
         # roll a migration back); uvicorn installs its own handler when it starts.
         signal.signal(signal.SIGINT, _exit_at_once)
-        _serve(host=host, port=port, db_url=db, token=token, workers=workers)
+        _serve(host=host, port=port, db_url=db, token=token, workers=workers,
+               allowed_hosts=allowed_hosts)  # fmt: skip
     except SettingsError as e:
         fail(str(e), EXIT_USAGE)
 

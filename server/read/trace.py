@@ -15,6 +15,9 @@ from zerowatch.server.db import Database
 from zerowatch.server.read.runs import run_pk
 
 _TIDS = {"step": 0, "phase": 1, "collective": 2, "offload": 3}
+#: Spans one export carries at most (Settings.max_trace_spans): what the server holds and
+#: sends for one request stays bounded (~400 bytes a span in memory, ~150 in the JSON).
+MAX_SPANS = 250_000
 
 
 def trace(
@@ -24,6 +27,7 @@ def trace(
     step_from: int | None = None,
     step_to: int | None = None,
     max_steps: int = 200,
+    max_spans: int = MAX_SPANS,
 ) -> dict[str, Any] | None:
     """Chrome-trace / Perfetto JSON of a run's steps.
 
@@ -31,7 +35,9 @@ def trace(
     from the stored step times), "phases", "collectives" and "offload" (the raw spans of
     the steps the agent sampled). Slices are complete events ("ph": "X"), times in
     microseconds since the earliest slice. Without a range: the newest `max_steps` steps;
-    a range is cut to `max_steps` steps from its start.
+    a range is cut to `max_steps` steps from its start. The sampled steps' spans stop at
+    `max_spans` (rank by rank, step by step); `metadata.cut` then says how many were left
+    out, and the API says so in a header.
 
     Returns:
         {"traceEvents": [...], "displayTimeUnit": "ms", "metadata": {...}}, or None.
@@ -55,11 +61,21 @@ def trace(
             .order_by(s.rank, s.step)
         ).all()
         sp = m.spans.c
-        span_rows = conn.execute(
+        span_rows = []
+        budget, left_out = max_spans, 0
+        result = conn.execution_options(stream_results=True, yield_per=256).execute(
             select(sp.rank, sp.step, sp.spans)
             .where(sp.run == pk, sp.step >= lo, sp.step <= hi)
             .order_by(sp.rank, sp.step)
-        ).all()
+        )
+        for row in result:
+            n = len(row.spans or ())
+            if n > budget:
+                left_out += n
+                budget = 0
+                continue
+            budget -= n
+            span_rows.append(row)
     slices: list[tuple[int, int, str, str, float, float, dict[str, Any]]] = []
     for r in step_rows:
         slices.append(
@@ -148,6 +164,7 @@ def trace(
             "steps": [lo, hi],
             "t0_unix_s": t0,
             "sampled_steps": sorted({int(r.step) for r in span_rows}),
+            "cut": {"spans_left_out": left_out, "max_spans": max_spans} if left_out else None,
             # Phase, collective and offload spans are what the agent sends for every
             # `spans_every`-th step (10 by default); the other steps are step slices only.
             "note": "phase, collective and offload detail is kept for the steps in "

@@ -81,3 +81,119 @@ def test_metrics_of_5000_live_runs_is_bounded_in_runs_and_bytes(sqlite_url):
     assert "zerowatch_metrics_runs_left_out 4744.0" in text
     assert len(body) < 2**20
     db.close()
+
+
+# -- hosts, deletes, what an unauthenticated caller learns --------------------------------
+
+
+@pytest.fixture
+def hosted(sqlite_url):
+    from fastapi.testclient import TestClient
+    from zerowatch.server.app import create_app
+
+    settings = Settings(db_url=sqlite_url, allowed_hosts="127.0.0.1,localhost,zw.example.org")
+    with TestClient(create_app(settings), base_url="http://127.0.0.1:8321") as c:
+        yield c
+
+
+def test_a_host_the_server_does_not_answer_to_is_refused_before_any_route(hosted):
+    evil = {"host": "evil.example"}
+    assert hosted.post("/api/v1/runs", json=_run("r1")).status_code == 201
+    assert hosted.get("/healthz").status_code == 200
+    assert hosted.get("/healthz", headers={"host": "zw.example.org:8321"}).status_code == 200
+    for method, path in (("GET", "/runs/r1"), ("GET", "/metrics"), ("DELETE", "/api/v1/runs/r1"),
+                         ("POST", "/api/v1/runs/r1/events")):  # fmt: skip
+        r = hosted.request(method, path, headers=evil, json={"run_id": "r1", "events": []})
+        assert r.status_code == 400 and "Host" in r.json()["detail"], (method, path)
+    assert hosted.get("/api/v1/runs/r1").status_code == 200  # nothing deleted
+
+
+def test_redirects_name_no_host(hosted):
+    assert hosted.post("/api/v1/runs", json=_run("r1")).status_code == 201
+    r = hosted.get("/api/v1/runs/r1/", follow_redirects=False)
+    assert r.status_code in (301, 307, 308) and r.headers["location"] == "/api/v1/runs/r1"
+
+
+def test_a_delete_without_a_configured_token_is_refused_unless_allowed(sqlite_url):
+    from fastapi.testclient import TestClient
+    from zerowatch.server.app import create_app
+
+    with TestClient(create_app(Settings(db_url=sqlite_url))) as c:
+        assert c.post("/api/v1/runs", json=_run("r1")).status_code == 201
+        r = c.delete("/api/v1/runs/r1")
+        assert r.status_code == 403 and "ZEROWATCH_TOKEN" in r.json()["detail"]
+        assert c.get("/api/v1/runs/r1").status_code == 200
+    with TestClient(create_app(Settings(db_url=sqlite_url, allow_delete_without_token=True))) as c:
+        assert c.delete("/api/v1/runs/r1").status_code == 200
+
+
+def test_with_closed_reads_health_says_only_up_and_redoc_is_not_served(sqlite_url):
+    from fastapi.testclient import TestClient
+    from zerowatch.server.app import create_app
+
+    closed = Settings(db_url=sqlite_url, token="s3cret", read_requires_token=True)
+    with TestClient(create_app(closed)) as c:
+        assert c.get("/healthz").json() == {"status": "ok"}
+        assert c.get("/redoc").status_code in (401, 404)
+    with TestClient(create_app(Settings(db_url=sqlite_url))) as c:
+        assert c.get("/healthz").json()["pid"] > 0  # open reads: the launcher's pid check
+        assert c.get("/redoc").status_code == 404  # its script comes from a CDN the CSP refuses
+
+
+# -- what one event may carry, and what one trace export answers --------------------------
+
+
+def _post_steps(client, spec, run_id: str, n: int, mutate=None) -> Any:
+    import dataclasses
+
+    from zerowatch import events as ev
+    from zerowatch import simulate
+
+    client.post("/api/v1/runs", json=dataclasses.asdict(simulate.run_create(spec, run_id=run_id)))
+    last = None
+    for evs in simulate.steps(spec, n):
+        body = [dataclasses.asdict(e) for e in evs]
+        if mutate is not None:
+            mutate(body)
+        last = client.post(f"/api/v1/runs/{run_id}/events",
+                           json={"schema_version": ev.SCHEMA_VERSION, "run_id": run_id,
+                                 "events": body})  # fmt: skip
+    return last
+
+
+def test_a_step_with_more_spans_than_an_agent_sends_is_refused_naming_the_field(client):
+    from zerowatch.server.store import MAX_SPANS_PER_STEP
+
+    from zerowatch import simulate
+
+    def flood(body: list[dict[str, Any]]) -> None:
+        one = {"name": "x", "cat": "phase", "start": 1.0, "end": 2.0, "args": {}}
+        body[0]["spans"] = [one] * (MAX_SPANS_PER_STEP + 1)
+
+    r = _post_steps(client, simulate.SimSpec(world_size=2, stage=2), "flood", 1, flood)
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"][0]["loc"] == ["body", "events", 0, "spans"]
+    assert client.get("/api/v1/runs/flood/ranks").json()["ranks"] == []  # nothing stored
+
+
+def test_a_trace_export_stops_at_its_span_budget_and_says_so(sqlite_url):
+    from fastapi.testclient import TestClient
+    from zerowatch.server.app import create_app
+
+    from zerowatch import simulate
+
+    spec = simulate.SimSpec(world_size=4, stage=3, spans_every=1)
+    with TestClient(create_app(Settings(db_url=sqlite_url, max_trace_spans=40))) as c:
+        assert _post_steps(c, spec, "traced", 6).status_code == 200
+        r = c.get("/api/v1/runs/traced/trace")
+        assert r.status_code == 200
+        meta = r.json()["metadata"]
+        spans = [e for e in r.json()["traceEvents"] if e["ph"] == "X" and e["cat"] != "step"]
+        assert 0 < len(spans) <= 40
+        assert meta["cut"]["spans_left_out"] > 0 and meta["cut"]["max_spans"] == 40
+        assert (
+            r.headers["x-zerowatch-trace-cut"] == f"{meta['cut']['spans_left_out']} spans left out"
+        )
+    with TestClient(create_app(Settings(db_url=sqlite_url))) as c:
+        r = c.get("/api/v1/runs/traced/trace")
+        assert r.json()["metadata"]["cut"] is None and "x-zerowatch-trace-cut" not in r.headers
