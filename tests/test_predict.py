@@ -252,6 +252,27 @@ def test_a_layout_that_makes_more_calls_is_predicted_slower_than_its_bytes_say()
     assert predict.predict(few, predict.Change(stage=1)).step_time_s < bytes_only
 
 
+def test_where_no_op_has_large_messages_the_links_bandwidth_is_beta() -> None:
+    """Both ops carry 1 MB messages: none shows the link's bandwidth at large messages, so
+    a bucket change has no β but the run's own; given the link's (`link_busbw`, 2 GB/s),
+    each call's α is its seconds beyond its bytes at that: all-gather (10 ms - 4 MB at 2
+    GB/s) / 8 = 1 ms, reduce-scatter (10 ms - 2 MB at 2 GB/s) / 4 = 2.25 ms."""
+    m = stage3_on_cpu(comm_bytes={"all_gather": 8e6, "reduce_scatter": 4e6},
+                      calls={"all_gather": 8, "reduce_scatter": 4})  # fmt: skip
+    assert predict.reference_bandwidth(m, "reduce_scatter") is None
+    assert predict.call_costs(m) == (
+        pytest.approx({"all_gather": 0.0, "reduce_scatter": 0.00125}),
+        4e8,
+    )
+    linked = dataclasses.replace(m, link_busbw=2e9)
+    assert predict.reference_bandwidth(linked, "reduce_scatter") == 2e9
+    alpha, beta = predict.call_costs(linked) or ({}, 0.0)
+    assert beta == 2e9
+    assert alpha == pytest.approx({"all_gather": 0.001, "reduce_scatter": 0.00225})
+    # A link slower than the run's best changes nothing.
+    assert predict.call_costs(dataclasses.replace(m, link_busbw=1e8)) == predict.call_costs(m)
+
+
 def test_a_bucket_size_is_priced_by_the_counted_calls_of_every_op() -> None:
     """Buckets of 500 elements: 20 all-reduces of the persistent parameters; at 65,536 the
     engine counts 2, and its units (8 gathers, 4 reduce-scatters) do not change. Priced as a
@@ -281,6 +302,34 @@ def test_a_bucket_size_is_priced_by_the_counted_calls_of_every_op() -> None:
     assert got.basis["management_s_new"] == got.basis["management_s_now"] == 0.004
     assert got.step_time_s == pytest.approx(0.050 - 0.018 + 0.004409 + 0.006 * 16 / 52 + 0.004)
     assert got.model_state_bytes == m.model_state_bytes
+
+
+def test_a_bucket_size_leaves_the_training_threads_own_cpu_work() -> None:
+    """The run of the test above with most of its step in communication parts: exposed 30
+    ms, comm threads' CPU 25 ms, path 4 ms (59 ms: more than the 50 ms step, where the comm
+    threads run during the waits). At 65,536 they would come to 30 x 22.045 / 40 = 16.53,
+    25 x 16 / 52 = 7.69 and 4 ms: a step of 50 - 59 + 28.22 = 19.2 ms, below the training
+    thread's own CPU work, its 20 ms clock less the 4 ms path plus the new path's 4 ms:
+    20 ms."""
+    m = stage3_on_cpu(
+        exposed_comm_s=0.030, other_cpu_s=0.025, thread_cpu_s=0.020,
+        comm_s={"all_gather": 0.010, "reduce_scatter": 0.010, "all_reduce": 0.020},
+        busbw={"all_gather": 4e8, "reduce_scatter": 2e8, "all_reduce": 1e6},
+        calls={"all_gather": 8, "reduce_scatter": 4, "all_reduce": 20},
+        comm_bytes={"all_gather": 8e6, "reduce_scatter": 4e6, "all_reduce": 2e4},
+        comm_phase_host_s=0.004,
+    )  # fmt: skip
+    table = {3: {"all_gather": [8, 8], "reduce_scatter": [4, 4], "all_reduce": [20, 2]}}
+    m = _counted(m, table, sizes=[500, 65536], own=500)
+    assert predict.contention(m) == 1.0
+    got = predict.predict(m, predict.Change(stage=3, bucket=("reduce_bucket_size", 65536)))
+    parts = sum(got.basis[f"{k}_new"] for k in ("exposed_s", "overlap_s", "management_s"))
+    assert parts == pytest.approx(0.030 * 0.022045 / 0.040 + 0.025 * 16 / 52 + 0.004)
+    assert got.step_time_s == got.basis["step_floor_s"] == pytest.approx(0.020)
+    # With the clocks unmeasured (a GPU) nothing bounds it but zero.
+    gpu = dataclasses.replace(m, thread_cpu_s=None, other_cpu_s=None)
+    got = predict.predict(gpu, predict.Change(stage=3, bucket=("reduce_bucket_size", 65536)))
+    assert "step_floor_s" not in got.basis and got.step_time_s >= 0.0
 
 
 def test_the_communication_path_moves_with_the_calls_it_handles() -> None:

@@ -16,8 +16,10 @@ between the two configurations come from the model:
   bandwidth, or `host_copy_bytes_per_s` where the run did not offload; the CPU step of a GPU
   run is priced at `cpu_adam_params_per_s` (not calibrated: the prediction says so);
 - a bucket size changes the number of calls of an op: each call costs the run's measured
-  per-call latency (α) plus its bytes at the bandwidth larger messages reached (β) (without
-  the engine's counts, below: the op's own calls alone, its share exposed);
+  per-call latency (α) plus its bytes at the bandwidth larger messages reached (β; where
+  the run has none, the link's as the engine probed it, `link_busbw`, when the doctor
+  passes it) (without the engine's counts, below: the op's own calls alone, its share
+  exposed);
 - counted calls: the bundled engine counts, at initialization and with its own layout rules,
   the collective calls each stage makes per step at a range of `reduce_bucket_size` values
   (engine/counts.py; `engine_info["collective_calls"]`, `CountedCalls` here). Where a run
@@ -136,6 +138,11 @@ class Measured:
     #: The engine's own count of collective calls per step of each stage and bucket size
     #: (engine_info["collective_calls"]); None where the engine did not send it.
     counted_calls: CountedCalls | None = None
+    #: The bus bandwidth the job's links reach with large messages (B/s), where the run's
+    #: own ops carry none large enough to show it: the engine's probe of the link at
+    #: initialization, or a figure the doctor was given. β of the α-β split where it is
+    #: above the run's best (`call_costs`, `reference_bandwidth`); None: the run's own.
+    link_busbw: float | None = None
 
 
 def _seconds(v: Any) -> bool:
@@ -307,13 +314,14 @@ def _comm_seconds(m: Measured, stage: int) -> float:
 
 def call_costs(m: Measured) -> tuple[dict[str, float], float] | None:
     """(α per op: the run's measured seconds per call of each op beyond its bytes at β,
-    β: the best bus bandwidth the run reached), or None where the run measured no op.
+    β: the best bus bandwidth the run reached, or `link_busbw` where that is higher), or
+    None where the run measured no op.
     An op's seconds are calls × α + bus bytes / β."""
     ops = [op for op in m.comm_s if m.calls.get(op, 0) > 0 and m.busbw.get(op, 0) > 0
            and m.comm_s[op] > 0]  # fmt: skip
     if not ops:
         return None
-    beta = max(m.busbw[op] for op in ops)
+    beta = max([m.busbw[op] for op in ops] + [m.link_busbw or 0.0])
     alpha = {op: max(m.comm_s[op] - m.busbw[op] * m.comm_s[op] / beta, 0.0) / m.calls[op]
              for op in ops}  # fmt: skip
     return alpha, beta
@@ -417,6 +425,17 @@ def predict(m: Measured, change: Change) -> Prediction:
             basis.update(counted_calls=1.0, **{f"{k}_now": v for k, v in now.items()},
                          **{f"{k}_new": v for k, v in new.items()})  # fmt: skip
             step = m.step_time_s - sum(now.values()) + sum(new.values())
+            # The training thread's CPU work outside its communication path stays: at
+            # least its CPU clock less the path's wall time. A run with little compute has
+            # parts that sum to about its whole step (the comm threads' CPU runs during
+            # the waits it also counts), and far fewer calls would take nearly all of them
+            # off.
+            floor = 0.0
+            if m.thread_cpu_s is not None:
+                floor = m.thread_cpu_s - now["management_s"] + new["management_s"]
+            if step < floor:
+                basis["step_floor_s"] = floor
+            step = max(step, floor, 0.0)
         else:
             op = change.bucket_op or (
                 "reduce_scatter" if key == "reduce_bucket_size" else "all_gather"
@@ -562,13 +581,13 @@ def _fits(m: Measured, peak: float | None, share: float = 0.9) -> bool | None:
 
 def reference_bandwidth(m: Measured, op: str, size_factor: float = 4.0) -> float | None:
     """The best bus bandwidth of ops whose messages are `size_factor` times larger than
-    `op`'s on this run (None: no such op)."""
+    `op`'s on this run, else `link_busbw` (None: neither)."""
     mine = _message_bytes(m, op)
     if mine is None:
         return None
     best = [m.busbw[o] for o in m.busbw if o != op and (_message_bytes(m, o) or 0) >= size_factor
             * mine and m.busbw[o] > 0]  # fmt: skip
-    return max(best) if best else None
+    return max(best) if best else m.link_busbw
 
 
 def _message_bytes(m: Measured, op: str) -> float | None:

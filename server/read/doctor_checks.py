@@ -4,7 +4,8 @@ evidence (doctor_evidence.Evidence) and the thresholds (DoctorSettings).
 Every check returns a list of `Finding`s (empty: nothing to say). `run_checks` runs them all
 and relates them where one explains another: communication exposed because the collectives
 are latency-bound is reported once, as latency_bound_collectives (the exposed share stays
-as an info finding pointing at it).
+as an info finding pointing at it); a stage_choice beside it stays info too (a larger
+bucket is its own remedy, and another layout is priced at the small calls as they are).
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ class Finding:
 
 def _pct(x: float) -> str:
     return f"{x:.0%}"
+
+
+def _share(x: float) -> str:
+    """A share as a percentage, "under 1%" rather than "0%"."""
+    return _pct(x) if x >= 0.01 else "under 1%"
 
 
 def _ordered(per: dict[int, Stats] | None, stat: str = "p50") -> list[tuple[int, float]]:
@@ -380,21 +386,79 @@ _BUCKET_KEYS = {"reduce_scatter": "reduce_bucket_size", "all_reduce": "reduce_bu
                 "all_gather": "allgather_bucket_size"}  # fmt: skip
 
 
+def _rehearsed_link(e: Evidence) -> dict[str, Any] | None:
+    """The bus bandwidth the bundled engine measured on the job's process group with one
+    large message at initialization (engine/rehearsal.py `link_bandwidth`), or None."""
+    calls = (e.run.get("engine_info") or {}).get("collective_calls")
+    link = calls.get("link") if isinstance(calls, dict) else None
+    if not isinstance(link, dict):
+        return None
+    got: dict[str, Any] = {"op": str(link.get("op") or "reduce_scatter")}
+    for key in ("message_bytes", "busbw"):
+        v = link.get(key)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+            return None
+        got[key] = float(v)
+    return got
+
+
+def _references(
+    e: Evidence, s: DoctorSettings, ops: dict[str, dict[str, float]]
+) -> dict[str, dict[str, Any]]:
+    """{op: what its bus bandwidth is judged against} for the ops with at least
+    `latency_bound_min_calls` calls: the link's bandwidth at messages
+    `latency_bound_size_factor` times larger than the op's. Where the run's own collectives
+    come in such different sizes, the best op of larger messages ("run"; an op without one
+    is not judged); where they do not (every collective small), the engine's probe of the
+    link at initialization ("rehearsal"), else `link_busbw_bytes_per_s` ("settings")."""
+    busy = [op for op, st in ops.items() if st["count"] >= s.latency_bound_min_calls]
+    own: dict[str, dict[str, Any]] = {}
+    for op in busy:
+        large = s.latency_bound_size_factor * ops[op]["message_bytes"]
+        larger = [(o, v) for o, v in ops.items()
+                  if o != op and v["busbw"] > 0 and v["message_bytes"] >= large]  # fmt: skip
+        if larger:
+            ref_op, ref = max(larger, key=lambda kv: kv[1]["busbw"])
+            own[op] = {"reference": "run", "reference_op": ref_op,
+                       "reference_message_bytes": ref["message_bytes"],
+                       "reference_busbw": ref["busbw"]}  # fmt: skip
+    if own:
+        return own
+    link = _rehearsed_link(e)
+    out: dict[str, dict[str, Any]] = {}
+    for op in busy:
+        large = s.latency_bound_size_factor * ops[op]["message_bytes"]
+        if link is not None and link["message_bytes"] >= large:
+            out[op] = {"reference": "rehearsal", "reference_op": link["op"],
+                       "reference_message_bytes": link["message_bytes"],
+                       "reference_busbw": link["busbw"]}  # fmt: skip
+        elif s.link_busbw_bytes_per_s > 0:
+            out[op] = {"reference": "settings", "reference_op": None,
+                       "reference_message_bytes": None,
+                       "reference_busbw": s.link_busbw_bytes_per_s}  # fmt: skip
+    return out
+
+
+def _reference_words(ref: dict[str, Any]) -> str:
+    """Where the reference bandwidth comes from, for the finding's message."""
+    size, bw = ref["reference_message_bytes"], fmt_bytes(ref["reference_busbw"])
+    if ref["reference"] == "run":
+        return f"what {ref['reference_op']}'s {fmt_bytes(size)} messages reach on this run ({bw}/s)"
+    if ref["reference"] == "rehearsal":
+        return (f"what the link reached with one {fmt_bytes(size)} {ref['reference_op']} when "
+                f"the engine started ({bw}/s)")  # fmt: skip
+    return f"the link's bandwidth (link_busbw_bytes_per_s: {bw}/s)"
+
+
 def latency_bound_collectives(e: Evidence, s: DoctorSettings) -> list[Finding]:
-    """Many small collectives whose bus bandwidth sits far below what larger messages reach
-    on the same run: buckets too small."""
+    """Many small collectives whose bus bandwidth sits far below what the link reaches with
+    large messages (`_references`): buckets too small."""
     ops = _op_stats(e)
     m = measured(e)
     out = []
-    for op, st in ops.items():
-        if st["count"] < s.latency_bound_min_calls:
-            continue
-        refs = [(o, v) for o, v in ops.items() if o != op and v["busbw"] > 0
-                and v["message_bytes"] >= s.latency_bound_size_factor * st["message_bytes"]]  # fmt: skip
-        if not refs:
-            continue
-        ref_op, ref = max(refs, key=lambda kv: kv[1]["busbw"])
-        if st["busbw"] >= s.latency_bound_ratio * ref["busbw"]:
+    for op, ref in _references(e, s, ops).items():
+        st = ops[op]
+        if st["busbw"] >= s.latency_bound_ratio * ref["reference_busbw"]:
             continue
         stage = int(e.run.get("zero_stage") or 0)
         key = _BUCKET_KEYS[op]
@@ -408,13 +472,29 @@ def latency_bound_collectives(e: Evidence, s: DoctorSettings) -> list[Finding]:
             key = "reduce_bucket_size"
         p = theory.PARAM_BYTES.get(str(e.run.get("precision")), 4)
         now = ((e.run.get("config") or {}).get("zero_optimization") or {}).get(key)
-        new = math.ceil(ref["message_bytes"] / p)
+        # Messages as large as the reference's (8 times the op's where the reference is
+        # only a figure), at least 8 times the run's bucket; a bucket past the model's
+        # size is one bucket, no larger.
+        target = ref["reference_message_bytes"] or 8 * st["message_bytes"]
+        new = math.ceil(target / p)
         if isinstance(now, int | float) and now > 0:
             new = max(new, int(now) * 8)
+        psi = int(e.run.get("param_count") or 0)
+        if isinstance(now, int | float) and now < psi < new:
+            new = psi
+        if m is not None and m.counted_calls is not None and key == "reduce_bucket_size":
+            # The engine's own counts: a bucket that makes no fewer calls of the op (its
+            # units or buckets are as large as they get) is no remedy.
+            calls_now = m.counted_calls.at(m.stage) or {}
+            calls_new = m.counted_calls.at(m.stage, new) or {}
+            if op in calls_now and op in calls_new and calls_new[op] >= calls_now[op]:
+                continue
         prediction = None
         if m is not None:
+            # Priced with the reference as β where it is not one of the run's own ops.
+            link = None if ref["reference"] == "run" else ref["reference_busbw"]
             got = predict.predict(
-                m,
+                replace(m, link_busbw=link),
                 predict.Change(
                     stage=m.stage,
                     offload_optimizer=m.offload_optimizer,
@@ -431,9 +511,8 @@ def latency_bound_collectives(e: Evidence, s: DoctorSettings) -> list[Finding]:
                 steps=e.window,
                 message=f"{op}: {st['count']:.0f} calls a step of {fmt_bytes(st['message_bytes'])} "
                 f"each reach {fmt_bytes(st['busbw'])}/s of bus bandwidth, "
-                f"{_pct(st['busbw'] / ref['busbw'])} of what {ref_op}'s "
-                f"{fmt_bytes(ref['message_bytes'])} messages reach on this run "
-                f"({fmt_bytes(ref['busbw'])}/s): each call pays the fixed latency.",
+                f"{_share(st['busbw'] / ref['reference_busbw'])} of {_reference_words(ref)}: "
+                "each call pays the fixed latency.",
                 suggestion=f"Raise zero_optimization.{key}"
                 + (f" (now {now:,.0f} elements)" if isinstance(now, int | float) else "")
                 + f" to about {new:,} elements so that fewer, larger messages carry the same "
@@ -443,9 +522,7 @@ def latency_bound_collectives(e: Evidence, s: DoctorSettings) -> list[Finding]:
                     "calls_per_step": st["count"],
                     "message_bytes": st["message_bytes"],
                     "busbw": st["busbw"],
-                    "reference_op": ref_op,
-                    "reference_message_bytes": ref["message_bytes"],
-                    "reference_busbw": ref["busbw"],
+                    **ref,
                     "seconds_per_step": st["seconds"],
                 },
                 prediction=prediction,
@@ -706,10 +783,11 @@ def stage_choice(e: Evidence, s: DoctorSettings) -> list[Finding]:
     if not short and not fast:
         lead = (f"No layout or bucket size is predicted {_pct(s.stage_choice_min_gain)} "
                 f"faster; the leanest layout, {lead},")  # fmt: skip
+    gain = 1 - best.step_time_s / now if now > 0 else 0.0
     return [
         Finding(
             kind="stage_choice",
-            severity="info",
+            severity="warning" if gain >= s.stage_choice_warning_gain else "info",
             steps=e.window,
             message=f"{lead} {what}; {fits}.{shared}",
             suggestion="Paste the prediction's config into the DeepSpeed JSON and compare "
@@ -729,20 +807,26 @@ CHECKS: tuple[Callable[[Evidence, DoctorSettings], list[Finding]], ...] = (
 )  # fmt: skip
 
 
+def _after_latency_bound(f: Finding) -> Finding:
+    """A finding that latency_bound_collectives explains or comes before, as info."""
+    if f.kind == "exposed_communication":
+        return replace(f, severity="info",
+                       message=f.message + " Much of it is the latency-bound collectives below.")  # fmt: skip
+    if f.kind == "stage_choice" and f.severity != "info":
+        bucket = set((f.prediction or {}).get("config", {}).get("zero_optimization", {})) == {
+            "reduce_bucket_size"}  # fmt: skip
+        return replace(f, severity="info", message=f.message + (
+            " latency_bound_collectives suggests a larger reduce_bucket_size too." if bucket else
+            " The latency-bound collectives come first: this prediction prices their many "
+            "small calls as they are."))  # fmt: skip
+    return f
+
+
 def run_checks(e: Evidence, s: DoctorSettings) -> list[Finding]:
     """Every check's findings, related where one explains another (module docstring)."""
     found = [f for check in CHECKS for f in check(e, s)]
     if any(f.kind == "latency_bound_collectives" for f in found):
-        found = [
-            replace(
-                f,
-                severity="info",
-                message=f.message + " Much of it is the latency-bound collectives below.",
-            )
-            if f.kind == "exposed_communication"
-            else f
-            for f in found
-        ]
+        found = [_after_latency_bound(f) for f in found]
     return found
 
 

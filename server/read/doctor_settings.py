@@ -53,14 +53,20 @@ class DoctorSettings:
     """exposed_communication: an info finding above this share."""
 
     latency_bound_ratio: float = 0.5
-    """latency_bound_collectives: an op's bus bandwidth below this fraction of what larger
-    messages reach on the same run (in (0, 1))."""
+    """latency_bound_collectives: an op's bus bandwidth below this fraction of what the link
+    reaches with larger messages (an op of the same run, the engine's probe of the link, or
+    `link_busbw_bytes_per_s`; in (0, 1))."""
 
     latency_bound_min_calls: float = 8.0
     """latency_bound_collectives: only ops with at least this many calls per step."""
 
     latency_bound_size_factor: float = 4.0
     """latency_bound_collectives: "larger messages" are at least this many times larger."""
+
+    link_busbw_bytes_per_s: float = 0.0
+    """latency_bound_collectives: the bus bandwidth the job's links reach with large
+    messages (e.g. 150e9 for NVLink 4 between 8 GPUs), for runs with no larger messages of
+    their own and no probe of the link by the engine. 0: unknown, not used."""
 
     memory_headroom_share: float = 0.90
     """memory_headroom: warn when the fullest rank's peak is above this share of the
@@ -103,6 +109,10 @@ class DoctorSettings:
     """stage_choice: suggest another configuration only when it is predicted this share
     faster (or, under memory pressure, when it frees memory)."""
 
+    stage_choice_warning_gain: float = 0.30
+    """stage_choice: a warning, not info, when the configuration it names is predicted at
+    least this share faster."""
+
     stage_choice_fit_share: float = 0.90
     """stage_choice: a configuration fits when its predicted peak is within this share of
     the device capacity."""
@@ -127,9 +137,11 @@ class DoctorSettings:
         for name in ("input_stall_share", "input_stall_critical_share", "exposed_comm_share",
                      "exposed_comm_info_share", "latency_bound_ratio", "memory_headroom_share",
                      "memory_critical_share", "offload_bandwidth_ratio", "skipped_share",
-                     "stage_choice_min_gain", "stage_choice_fit_share"):  # fmt: skip
+                     "stage_choice_min_gain", "stage_choice_warning_gain",
+                     "stage_choice_fit_share"):  # fmt: skip
             need(0.0 < getattr(self, name) <= 1.0, name, "a fraction in (0, 1]")
-        for name in ("latency_bound_min_calls", "offload_link_bytes_per_s", "loss_scale_floor"):
+        for name in ("latency_bound_min_calls", "offload_link_bytes_per_s", "loss_scale_floor",
+                     "link_busbw_bytes_per_s"):  # fmt: skip
             need(getattr(self, name) >= 0.0, name, "a number >= 0")
         need(self.straggler_critical_ratio >= self.straggler_ratio, "straggler_critical_ratio",
              f"a number >= straggler_ratio ({self.straggler_ratio})")  # fmt: skip

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from support.engine_harness import run_ranks
@@ -16,7 +17,7 @@ from zerowatch.config import ZeroConfig
 from zerowatch.engine import rehearsal
 from zerowatch.engine.comm import Comm
 from zerowatch.engine.hooks import ObserverRegistry
-from zerowatch.engine.rehearsal import management_s
+from zerowatch.engine.rehearsal import link_bandwidth, management_s
 
 #: Rank 1 holds up every rehearsed pass this long (test_the_waits_are_left_out).
 HOLD_S = 0.06
@@ -122,3 +123,33 @@ def test_past_its_budget_the_rehearsal_stops_on_every_rank_alike() -> None:
     for r in run_ranks(_budget, 2):
         assert r["rounds"] == 2 and set(r["got"]) == {0, 1, 2, 3}
         assert r["sum"] == 3.0
+
+
+def _link(rank: int, world: int) -> dict[str, Any]:
+    comm = Comm(ObserverRegistry())
+    got = link_bandwidth(comm=comm, world_size=world, device=torch.device("cpu"),
+                         dtype=torch.float32)  # fmt: skip
+    # A reduce-scatter of 600 elements, as a run with 600-element buckets makes, timed alike.
+    small, out = torch.zeros(600), torch.empty(600 // world)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        comm.reduce_scatter(out, small)
+    small_busbw = 5 * small.numel() * 4 / (time.perf_counter() - t0) * (world - 1) / world
+    probe = torch.tensor([float(rank + 1)])
+    dist.all_reduce(probe)
+    return {"got": got, "small_busbw": small_busbw, "sum": float(probe.item())}
+
+
+def test_the_link_is_probed_with_one_large_message_on_every_rank_alike() -> None:
+    """The engine's probe of the link: a reduce-scatter of LINK_PROBE_BYTES whose bus
+    bandwidth is far above what a call of 600 elements reaches (each pays the fixed
+    latency); the ranks' calls pair up; nothing on one rank or a GPU."""
+    for r in run_ranks(_link, 2):
+        got = r["got"]
+        assert got["op"] == "reduce_scatter" and got["message_bytes"] == rehearsal.LINK_PROBE_BYTES
+        assert got["busbw"] == pytest.approx(got["message_bytes"] / got["latency_s"] / 2)
+        assert got["busbw"] > 4 * r["small_busbw"]
+        assert r["sum"] == 3.0
+    for n, device in ((1, "cpu"), (2, "cuda")):
+        assert link_bandwidth(comm=Comm(ObserverRegistry()), world_size=n,
+                              device=torch.device(device), dtype=torch.float32) is None  # fmt: skip

@@ -138,10 +138,97 @@ def test_many_small_slow_collectives_are_latency_bound_with_a_bucket_prediction(
     found = _found(db, _store(db, SPEC, mutate=small))
     (f,) = [f for f in found if f["kind"] == "latency_bound_collectives"]
     assert f["severity"] == "warning" and f["evidence"]["op"] == "reduce_scatter"
+    assert f["evidence"]["reference"] == "run" and f["evidence"]["reference_op"] == "all_gather"
     assert "reduce_bucket_size" in f["prediction"]["config"]["zero_optimization"]
     assert f["prediction"]["step_time_s"] < f["prediction"]["step_time_now_s"]
     clean = _found(db, _store(db, SPEC))
     assert "latency_bound_collectives" not in _kinds(clean, at_least="info")
+
+
+def _all_small(e: ev.StepEvent) -> ev.StepEvent:
+    """Stage 2 with 600-element buckets: 660 reduce-scatters and all-gathers a step of 2.3
+    KiB each (fp32) and the gradient norm's all-reduce: no op has larger messages."""
+    return dataclasses.replace(e, collectives=[
+        _many_small("reduce_scatter", 660, 2400, 5e6),
+        _many_small("all_gather", 660, 2400, 6e6),
+        _many_small("all_reduce", 1, 4, 1e4),
+    ])  # fmt: skip
+
+
+#: The bundled engine's probe of the link at initialization (engine/rehearsal.py).
+LINK = {"op": "reduce_scatter", "message_bytes": 8 << 20, "latency_s": 0.004, "busbw": 1e9}
+
+
+def test_when_every_collective_is_small_the_engines_probe_of_the_link_is_the_reference(
+    db: Database,
+) -> None:
+    """No op of the run carries messages large enough to show the link's bandwidth: the
+    engine's probe of the link (a large reduce-scatter at initialization) does, and the
+    finding says so; without it (another engine) nothing is compared."""
+    found = _found(db, _store(db, SPEC, mutate=_all_small,
+                              engine_info={"device": "cpu", "collective_calls": {"link": LINK}}))  # fmt: skip
+    by_op = {f["evidence"]["op"]: f for f in found if f["kind"] == "latency_bound_collectives"}
+    assert set(by_op) == {"reduce_scatter", "all_gather"}, found
+    f = by_op["reduce_scatter"]
+    assert f["severity"] == "warning"
+    assert f["evidence"]["reference"] == "rehearsal"
+    assert f["evidence"]["reference_busbw"] == LINK["busbw"]
+    assert f["evidence"]["reference_message_bytes"] == LINK["message_bytes"]
+    assert "when the engine started" in f["message"] and "under 1%" in f["message"]
+    assert "reduce_bucket_size" in f["suggestion"]
+    assert "reduce_bucket_size" in f["prediction"]["config"]["zero_optimization"]
+    assert f["prediction"]["step_time_s"] < f["prediction"]["step_time_now_s"]
+    # The exposed share it explains is info, pointing at it.
+    exposed = [f for f in found if f["kind"] == "exposed_communication"]
+    assert all(x["severity"] == "info" for x in exposed)
+
+    plain = _found(db, _store(db, SPEC, mutate=_all_small, engine_info={"device": "cpu"}))
+    assert "latency_bound_collectives" not in _kinds(plain, at_least="info")
+    # Where the engine counts as many calls at the larger bucket (its buckets are as large
+    # as they get), a larger bucket is no remedy: nothing is said.
+    same = {"reduce_scatter": [660, 660], "all_gather": [660, 660], "all_reduce": [1, 1]}
+    table = {"world_size": 8, "gradient_accumulation_steps": 1, "reduce_bucket_size": 600,
+             "bucket_sizes": [600, 10**8], "calls": {"2": same}, "link": LINK}  # fmt: skip
+    counted = _found(db, _store(db, SPEC, mutate=_all_small,
+                                engine_info={"device": "cpu", "collective_calls": table}))  # fmt: skip
+    assert "latency_bound_collectives" not in _kinds(counted, at_least="info")
+
+
+def test_a_run_with_collectives_of_different_sizes_is_judged_by_its_own(db: Database) -> None:
+    """Stage 3 with a tiny reduce bucket: the persistent parameters' all-reduces (1.4 KiB)
+    are judged against the run's own reduce-scatters (170 KiB), and only they, probe or
+    not: the link's figure is for runs whose collectives are all small."""
+
+    def mixed(e: ev.StepEvent) -> ev.StepEvent:
+        return dataclasses.replace(e, collectives=[
+            _many_small("all_reduce", 20, 1400, 2e5),
+            _many_small("reduce_scatter", 10, 170 << 10, 8e6),
+        ])  # fmt: skip
+
+    info = {"device": "cpu", "collective_calls": {"link": LINK}}
+    found = _found(db, _store(db, dataclasses.replace(SPEC, stage=3), mutate=mixed,
+                              engine_info=info))  # fmt: skip
+    (f,) = [f for f in found if f["kind"] == "latency_bound_collectives"]
+    assert f["evidence"]["op"] == "all_reduce" and f["evidence"]["reference"] == "run"
+    assert f["evidence"]["reference_op"] == "reduce_scatter"
+
+
+def test_a_links_bandwidth_given_in_the_settings_is_the_reference_of_last_resort(
+    db: Database,
+) -> None:
+    run_id = _store(db, SPEC, mutate=_all_small, engine_info={"device": "cpu"})
+    got = doctor.findings(db=db, run_id=run_id,
+                          settings=DoctorSettings(link_busbw_bytes_per_s=1e9))  # fmt: skip
+    assert got is not None
+    (f,) = [f for f in got["findings"] if f["kind"] == "latency_bound_collectives"
+            and f["evidence"]["op"] == "reduce_scatter"]  # fmt: skip
+    assert f["evidence"]["reference"] == "settings"
+    assert "link_busbw_bytes_per_s" in f["message"]
+    # A probe too small to show the link's bandwidth (not 4x the op's messages) is not used.
+    small_probe = dict(LINK, message_bytes=4800)
+    run_id = _store(db, SPEC, mutate=_all_small,
+                    engine_info={"device": "cpu", "collective_calls": {"link": small_probe}})  # fmt: skip
+    assert "latency_bound_collectives" not in _kinds(_found(db, run_id), at_least="info")
 
 
 def test_memory_near_capacity_is_a_headroom_finding(db: Database) -> None:
@@ -216,6 +303,48 @@ def test_stage_3_on_a_comm_bound_run_suggests_a_lower_stage_with_a_paste_able_co
     assert pred["config"]["zero_optimization"]["stage"] < 3
     assert pred["step_time_s"] < pred["step_time_now_s"]
     assert pred["model_state_bytes"] > pred["model_state_now_bytes"]  # fewer shards
+
+
+def test_a_stage_choice_predicted_30_percent_faster_is_a_warning(db: Database) -> None:
+    """Stage 3 with most of its step in exposed communication: a lower stage is predicted
+    at least stage_choice_warning_gain (30%) faster, a warning; with less exposed, the
+    gain is below that and the finding stays info."""
+
+    def exposed(share: float) -> Mutate:
+        return lambda e: dataclasses.replace(e, exposed_comm_s=share * e.step_time_s)
+
+    def choice(share: float) -> dict:
+        found = _found(db, _store(db, dataclasses.replace(SPEC, stage=3), mutate=exposed(share)))
+        (f,) = [f for f in found if f["kind"] == "stage_choice"]
+        return f
+
+    def gain(f: dict) -> float:
+        return 1 - f["prediction"]["step_time_s"] / f["prediction"]["step_time_now_s"]
+
+    loud, quiet = choice(0.9), choice(0.45)
+    assert gain(loud) >= 0.30 and loud["severity"] == "warning"
+    assert 0.10 <= gain(quiet) < 0.30 and quiet["severity"] == "info"
+
+
+def test_beside_latency_bound_collectives_a_faster_stage_choice_stays_info(db: Database) -> None:
+    """The latency-bound collectives come first: a stage_choice that would be a warning
+    (here with the warning's gain lowered to 10%) stays info beside them, and says why."""
+
+    def small(e: ev.StepEvent) -> ev.StepEvent:
+        return dataclasses.replace(e, exposed_comm_s=0.9 * e.step_time_s, collectives=[
+            _many_small("reduce_scatter", 200, 64 << 10, 1e9),
+            _many_small("all_gather", 4, 64 << 20, 20e9),
+        ])  # fmt: skip
+
+    settings = DoctorSettings(stage_choice_warning_gain=0.1)
+    spec = dataclasses.replace(SPEC, stage=3)
+    got = doctor.findings(db=db, run_id=_store(db, spec, mutate=small), settings=settings)
+    assert got is not None
+    kinds = {f["kind"]: f for f in got["findings"]}
+    assert kinds["latency_bound_collectives"]["severity"] == "warning"
+    f = kinds["stage_choice"]
+    assert f["prediction"]["step_time_s"] < 0.9 * f["prediction"]["step_time_now_s"]
+    assert f["severity"] == "info" and "latency-bound collectives come first" in f["message"]
 
 
 def test_a_run_on_the_fastest_layout_still_states_the_trade_with_every_candidate(

@@ -93,6 +93,27 @@ def test_tiny_buckets_make_latency_bound_collectives(server: LiveServer, tmp_pat
     assert "reduce_bucket_size" in f["prediction"]["config"]["zero_optimization"]
 
 
+def test_every_collective_small_is_latency_bound_against_the_links_bandwidth(
+    server: LiveServer, tmp_path: Path
+) -> None:
+    # Stage 2, a model of small parameters (d_model 16) and 600-element buckets: every
+    # reduce-scatter and all-gather carries ~600 elements (2.4 KiB), so no op of the run
+    # has larger messages to compare with; the engine's probe of the link at
+    # initialization (a reduce-scatter of 8 MiB) shows what the link reaches.
+    found = _train(server, tmp_path, "--stage", "2", "--reduce-bucket-size", "600",
+                   "--d-model", "16", "--layers", "8")  # fmt: skip
+    (f,) = [f for f in found if f["kind"] == "latency_bound_collectives"
+            and f["evidence"]["op"] == "reduce_scatter"]  # fmt: skip
+    assert f["severity"] == "warning", found
+    assert f["evidence"]["message_bytes"] < 4096
+    assert f["evidence"]["reference"] == "rehearsal"
+    assert f["evidence"]["reference_message_bytes"] >= 8 << 20
+    assert f["message"].startswith("reduce_scatter: ")
+    assert "reduce_bucket_size (now 600 elements)" in f["suggestion"]
+    assert "reduce_bucket_size" in f["prediction"]["config"]["zero_optimization"]
+    assert f["prediction"]["step_time_s"] < f["prediction"]["step_time_now_s"]
+
+
 def test_an_fp16_run_whose_loss_scale_collapses(server: LiveServer, tmp_path: Path) -> None:
     found = _train(server, tmp_path, "--stage", "2", "--precision", "fp16", "--overflow",
                    "--steps", "16")  # fmt: skip

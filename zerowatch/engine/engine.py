@@ -44,7 +44,7 @@ from zerowatch.engine.hooks import ObserverRegistry
 from zerowatch.engine.optim import MasterWeights, StepStats, build_optimizer, state_tensors
 from zerowatch.engine.phases import Phases
 from zerowatch.engine.precision import DTYPES, make_scaler
-from zerowatch.engine.rehearsal import management_s
+from zerowatch.engine.rehearsal import link_bandwidth, management_s
 from zerowatch.engine.schedulers import build_scheduler
 from zerowatch.engine.stages import ParamList, compose
 
@@ -193,6 +193,12 @@ class ZeroEngine:
             self.collective_calls["management_s"] = {str(st): v for st, v in manage.items()}
             if 3 in manage:  # the one figure of the agents and servers before the table
                 self.collective_calls["stage3_management_s"] = manage[3]
+        # ... and the bus bandwidth of the job's process group with one large message, for
+        # the doctor to judge small collectives by when a run has no larger ones of its own.
+        link = link_bandwidth(comm=self.comm, world_size=self.world_size, device=self.device,
+                              dtype=self.dtype)  # fmt: skip
+        if link is not None and self.collective_calls:
+            self.collective_calls["link"] = link
         #: Stage 3 reduces gradients on a process group of its own (docs/gpu.md).
         self.grad_comm = self.comm.twin() if self.zero_stage == 3 else None
         self.parts = compose(self.zero_stage, module, params, zc, self.comm, self.phases,

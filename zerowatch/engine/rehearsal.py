@@ -48,6 +48,12 @@ parameters' tensors are put back as they were: training is unchanged.
 On a GPU the host does this bookkeeping ahead of the device's queue and it costs the step
 only where the host falls behind; the doctor does not price it there, and it is not
 rehearsed (None).
+
+Beside the paths, `link_bandwidth` measures the bus bandwidth the job's process group
+reaches with one large message (a reduce-scatter of LINK_PROBE_BYTES, timed as the agent
+times a call): what the doctor compares a run's small collectives with when none of the
+run's own ops carries messages large enough to show it (docs/doctor.md,
+latency_bound_collectives).
 """
 
 from __future__ import annotations
@@ -77,6 +83,12 @@ BUDGET_S = 2.0
 #: How long to wait for the last calls' reports after a pass (they come from the backend's
 #: thread just after the calls complete).
 REPORT_TIMEOUT_S = 1.0
+#: The message of the link's probe (nccl-tests "size"): large enough that the fixed
+#: latency of a call is a small part of its time on gloo over loopback (about 2 ms for
+#: 8 MiB between 2 ranks, against 0.1-0.3 ms for a call of a few KiB).
+LINK_PROBE_BYTES = 8 << 20
+#: Timed calls of the link's probe after a first one (the median counts).
+LINK_PROBE_CALLS = 3
 
 
 class _Exposed:
@@ -93,6 +105,16 @@ class _Exposed:
         with self.lock:
             self.seconds += rec.exposed_s
             self.calls += 1
+
+
+class _Latencies:
+    """Each call's latency as the agent counts it: issue to completion."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+
+    def on_collective(self, rec: CollectiveRecord) -> None:
+        self.seconds.append(rec.end - rec.start)
 
 
 def _no_grad_hook(*_grads: object) -> None:
@@ -372,4 +394,31 @@ def management_s(module: nn.Module, params: ParamList, zc: ZeroConfig, *, comm: 
     return {stage: max(statistics.median(got[1:]), 0.0) for stage, got in seconds.items()}
 
 
-__all__ = ["BUDGET_S", "PASSES", "management_s"]
+def link_bandwidth(*, comm: Comm, world_size: int, device: torch.device,
+                   dtype: torch.dtype) -> dict[str, Any] | None:  # fmt: skip
+    """{"op": "reduce_scatter", "message_bytes", "latency_s", "busbw"}: the median of
+    LINK_PROBE_CALLS synchronous reduce-scatters of LINK_PROBE_BYTES on the job's process
+    group, after a first one, with nccl-tests' bus bandwidth (bytes / latency x (n-1)/n).
+    None where nothing is rehearsed (one rank, a GPU: module docstring). Every rank must
+    call it alike: it communicates."""
+    if world_size <= 1 or device.type != "cpu":
+        return None
+    numel = LINK_PROBE_BYTES // torch.empty((), dtype=dtype).element_size()
+    numel -= numel % world_size
+    source = torch.zeros(numel, device=device, dtype=dtype)
+    out = torch.empty(numel // world_size, device=device, dtype=dtype)
+    timed = _Latencies()
+    registry = ObserverRegistry()
+    registry.add(timed)
+    quiet = Comm(registry, group=comm.group)
+    for _ in range(LINK_PROBE_CALLS + 1):
+        quiet.reduce_scatter(out, source, purpose="other")
+    # Synchronous calls report before they return.
+    latency = statistics.median(timed.seconds[1:])
+    nbytes = numel * source.element_size()
+    busbw = nbytes / latency * (world_size - 1) / world_size  # nccl-tests' reduce-scatter
+    return {"op": "reduce_scatter", "message_bytes": nbytes, "latency_s": latency,
+            "busbw": busbw}  # fmt: skip
+
+
+__all__ = ["BUDGET_S", "LINK_PROBE_BYTES", "PASSES", "link_bandwidth", "management_s"]
