@@ -28,6 +28,10 @@ from zerowatch.server import db_errors
 log = logging.getLogger("zerowatch.server")
 
 
+#: Errors one answer lists at most (the rest counted): server/decode.py's MAX_ERRORS.
+MAX_ERRORS = 20
+
+
 def _message(errors: list[dict[str, Any]]) -> str:
     parts = []
     for e in errors[:5]:
@@ -38,10 +42,15 @@ def _message(errors: list[dict[str, Any]]) -> str:
 
 def validation_answer(errors: Sequence[Any]) -> JSONResponse:
     """422 listing each error (without its input) and a one-line message."""
+    # At most MAX_ERRORS + 1 listed: the last may be decode.py's count of the rest.
+    many = len(errors) > MAX_ERRORS + 1
     cleaned = []
-    for e in errors:
+    for e in errors[: MAX_ERRORS if many else MAX_ERRORS + 1]:
         e = {k: v for k, v in e.items() if k not in ("input", "url")}
         cleaned.append(jsonable_encoder(e, custom_encoder={Exception: str}))
+    if many:
+        cleaned.append({"type": "too_many_errors", "loc": ["body"],
+                        "msg": f"{len(errors) - MAX_ERRORS:,} more errors left out"})  # fmt: skip
     return JSONResponse({"detail": cleaned, "message": _message(cleaned)}, status_code=422)
 
 

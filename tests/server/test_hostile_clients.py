@@ -54,7 +54,8 @@ def test_131072_tags_are_refused_at_once(client):
     t0 = time.perf_counter()
     r = client.post("/api/v1/runs", json=_run("tagged", tags=[f"t{i}" for i in range(131072)]))
     print(f"\n131,072 tags refused in {time.perf_counter() - t0:.2f} s")
-    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "tags"]
+    # (more items than any body's list may hold: refused before validation)
+    assert r.status_code == 413 and r.json()["detail"][0]["loc"] == ["body", "tags"]
 
 
 def test_metrics_of_5000_live_runs_is_bounded_in_runs_and_bytes(sqlite_url):
@@ -197,3 +198,43 @@ def test_a_trace_export_stops_at_its_span_budget_and_says_so(sqlite_url):
     with TestClient(create_app(Settings(db_url=sqlite_url))) as c:
         r = c.get("/api/v1/runs/traced/trace")
         assert r.json()["metadata"]["cut"] is None and "x-zerowatch-trace-cut" not in r.headers
+
+
+# -- error bombs: a small body must not buy seconds of CPU and megabytes of answer ---------
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+@pytest.mark.parametrize("n", [87_361, 16_384])
+def test_a_gzip_of_empty_events_is_answered_at_once_with_a_bounded_answer(client, n):
+    import gzip
+    import json
+
+    assert client.post("/api/v1/runs", json=_run("x")).status_code == 201
+    body = gzip.compress(json.dumps({"run_id": "x", "events": [{}] * n}).encode())
+    before, t0 = _rss_mb(), time.perf_counter()
+    r = client.post("/api/v1/runs/x/events", content=body,
+                    headers={"content-encoding": "gzip", "content-type": "application/json"})  # fmt: skip
+    took, grew = time.perf_counter() - t0, _rss_mb() - before
+    print(f"\n{n:,} empty events ({len(body)} bytes gzipped): {r.status_code} in {took:.2f} s, "
+          f"answer {len(r.content):,} bytes, RSS +{grew:.0f} MB")  # fmt: skip
+    detail = r.json()["detail"]
+    if n > 16_384:  # more events than a batch may carry: refused before any is validated
+        assert r.status_code == 413 and detail[0]["loc"] == ["body", "events"]
+    else:  # each event is wrong: the first 20 errors, and the count of the others
+        assert r.status_code == 422 and len(detail) == 21
+        assert detail[0]["loc"][:3] == ["body", "events", 0]
+        assert detail[-1]["type"] == "too_many_errors" and "more errors" in detail[-1]["msg"]
+    assert len(r.content) < 10_000 and grew < 50
+    assert client.get("/api/v1/runs/x/ranks").json()["ranks"] == []
+
+
+def test_a_run_body_with_a_huge_list_is_refused_before_validation(client):
+    r = client.post("/api/v1/runs", json=_run("big", tags=[1] * 131_072))
+    assert r.status_code == 413 and r.json()["detail"][0]["loc"] == ["body", "tags"]
+    r = client.post("/api/v1/runs", json=_run("big", tags=[1] * 100))
+    assert r.status_code == 422 and len(r.json()["detail"]) <= 21
