@@ -114,14 +114,17 @@ def list_runs(
     status: Annotated[ev.RunStatus | None, Query()] = None,
     tag: Annotated[str | None, Query(max_length=500)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0, le=INT32)] = 0,
 ) -> dict[str, Any]:
-    """Runs, newest first, filtered by project, status and tag."""
+    """Runs, newest first, filtered by project, status and tag: `limit` of them after the
+    first `offset`."""
     runs = read.list_runs(
         db=db,
         project=project,
         status=status,
         tag=tag,
         limit=limit,
+        offset=offset,
         stalled_after_s=settings.stalled_after_s,
         recent_steps=settings.recent_steps,
     )

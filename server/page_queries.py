@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import quote
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from zerowatch.dashboards.data import (
     Quantiles,
     RankDistribution,
@@ -264,11 +264,20 @@ def _memory(
     )
 
 
+#: Projects the runs page's filter offers at most (those of the newest runs).
+MAX_PROJECTS = 200
+
+
 def projects(*, db: Database) -> list[str]:
-    """Every project that has a run, sorted (for the runs page's filter)."""
+    """The projects of the newest runs, at most MAX_PROJECTS, sorted (the runs page's
+    filter; any other project is reached by its URL)."""
+    r = m.runs.c
+    newest = func.max(r.created_at)
     with db.read() as conn:
-        rows = conn.execute(select(m.runs.c.project).distinct().order_by(m.runs.c.project))
-        return [r.project for r in rows]
+        rows = conn.execute(
+            select(r.project).group_by(r.project).order_by(newest.desc()).limit(MAX_PROJECTS)
+        )
+        return sorted(row.project for row in rows)
 
 
 # -- compare --------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import math
 import time
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import plotly
 from fastapi import APIRouter, Depends, Query
@@ -124,6 +124,10 @@ def _run_row(run: dict[str, Any], now: float) -> dict[str, Any]:
     }
 
 
+#: Runs on one page of the runs list (the rest on the next pages).
+RUNS_PER_PAGE = 100
+
+
 @router.get("/", response_class=HTMLResponse)
 def runs_page(
     db: DbDep,
@@ -131,13 +135,17 @@ def runs_page(
     project: Annotated[str | None, Query(max_length=200)] = None,
     status: Annotated[str | None, Query(max_length=20)] = None,
     tag: Annotated[str | None, Query(max_length=200)] = None,
+    page: Annotated[int, Query(ge=1, le=100_000)] = 1,
 ) -> HTMLResponse:
-    """The runs: a table with filters and "compare selected"."""
+    """The runs, RUNS_PER_PAGE a page: a table with filters and "compare selected"."""
     project, status, tag = project or None, status or None, tag or None
     now = time.time()
     runs = read.list_runs(db=db, project=project, status=status if status in STATUSES else None,
                           tag=tag, stalled_after_s=settings.stalled_after_s,
-                          recent_steps=settings.recent_steps, now=now, ranks=False)  # fmt: skip
+                          recent_steps=settings.recent_steps, now=now, ranks=False,
+                          limit=RUNS_PER_PAGE + 1, offset=(page - 1) * RUNS_PER_PAGE)  # fmt: skip
+    more = len(runs) > RUNS_PER_PAGE
+    runs = runs[:RUNS_PER_PAGE]
     if status and status not in STATUSES:
         runs = []
     projects = sorted(set(page_queries.projects(db=db)) | ({project} if project else set()))
@@ -148,7 +156,18 @@ def runs_page(
         projects=projects,
         statuses=STATUSES,
         filters={"project": project, "status": status, "tag": tag},
+        page=page,
+        pages={
+            "prev": _page_link(project, status, tag, page - 1) if page > 1 else None,
+            "next": _page_link(project, status, tag, page + 1) if more else None,
+        },
     )
+
+
+def _page_link(project: str | None, status: str | None, tag: str | None, page: int) -> str:
+    """The runs page's URL of `page`, with the same filters."""
+    query = {k: v for k, v in (("project", project), ("status", status), ("tag", tag)) if v}
+    return "/?" + urlencode({**query, "page": page})
 
 
 # -- one run --------------------------------------------------------------------------------------

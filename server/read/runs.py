@@ -239,16 +239,18 @@ def list_runs(
     status: str | None = None,
     tag: str | None = None,
     limit: int = 100,
+    offset: int = 0,
     stalled_after_s: float = 120.0,
     recent_steps: int = 20,
     now: float | None = None,
     ranks: bool = True,
 ) -> list[dict[str, Any]]:
-    """Runs, newest first, filtered by project, status (incl. "stalled") and tag
-    (`ranks=False`: without the rank summaries, see `full_run`)."""
+    """Runs, newest first, filtered by project, status (incl. "stalled") and tag, `limit`
+    of them after the first `offset` (`ranks=False`: without the rank summaries, see
+    `full_run`)."""
     now = time.time() if now is None else now
     r = m.runs
-    q = select(r).order_by(r.c.created_at.desc(), r.c.id.desc()).limit(limit)
+    q = select(r).order_by(r.c.created_at.desc(), r.c.id.desc()).limit(limit).offset(offset)
     if project is not None:
         q = q.where(r.c.project == project)
     if tag is not None:

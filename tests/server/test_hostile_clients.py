@@ -238,3 +238,33 @@ def test_a_run_body_with_a_huge_list_is_refused_before_validation(client):
     assert r.status_code == 413 and r.json()["detail"][0]["loc"] == ["body", "tags"]
     r = client.post("/api/v1/runs", json=_run("big", tags=[1] * 100))
     assert r.status_code == 422 and len(r.json()["detail"]) <= 21
+
+
+def test_the_runs_list_and_its_page_are_paginated(sqlite_url):
+    from fastapi.testclient import TestClient
+    from zerowatch.server.app import create_app
+    from zerowatch.server.pages import RUNS_PER_PAGE
+
+    n = RUNS_PER_PAGE + 30
+    db = Database.open(sqlite_url)
+    now = time.time()
+    rows = [{"run_id": f"r{i:04d}", "name": f"n{i}", "project": f"p{i}", "tags": [],
+             "status": "finished", "zero_stage": 1, "offload_optimizer": "none",
+             "offload_param": "none", "precision": "fp32", "world_size": 2,
+             "engine": "zerowatch", "engine_info": {}, "config": {}, "param_count": 1,
+             "hosts": [], "torch_version": "", "zerowatch_version": "", "theory": {},
+             "theory_comm": {}, "started_at": now, "created_at": now + i, "job": "",
+             "last_event_at": None, "ended_at": None} for i in range(n)]  # fmt: skip
+    with db.write() as conn:
+        conn.execute(m.runs.insert(), rows)
+    db.close()
+    with TestClient(create_app(Settings(db_url=sqlite_url))) as c:
+        first = [r["run_id"] for r in c.get("/api/v1/runs?limit=20").json()["runs"]]
+        second = [r["run_id"] for r in c.get("/api/v1/runs?limit=20&offset=20").json()["runs"]]
+        assert first == [f"r{i:04d}" for i in range(n - 1, n - 21, -1)]
+        assert second == [f"r{i:04d}" for i in range(n - 21, n - 41, -1)]
+        page1 = c.get("/").text
+        assert page1.count('href="/runs/r') >= RUNS_PER_PAGE and "r0000" not in page1
+        assert 'href="/?page=2"' in page1 and 'rel="prev"' not in page1
+        page2 = c.get("/?page=2").text
+        assert "r0000" in page2 and 'href="/?page=1"' in page2 and 'rel="next"' not in page2
