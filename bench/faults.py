@@ -118,6 +118,7 @@ class Prober(threading.Thread):
 def _agents_worker(
     conn: Any, server: str, spec_kw: dict[str, Any], run_id: str, ranks: list[int],
     spool_root: str, outage_steps: int, step_s: float, go: Any, stop: Any,
+    token: str | None = None,
 ) -> None:  # fmt: skip
     spec = simulate.SimSpec(**spec_kw)
     written = prefill_spools(Path(spool_root), spec, run_id, ranks=ranks, steps=outage_steps)
@@ -125,7 +126,7 @@ def _agents_worker(
     clients: list[RecordingClient] = []
 
     def factory(*a: Any, **kw: Any) -> RecordingClient:
-        clients.append(RecordingClient(*a, **kw))
+        clients.append(RecordingClient(*a, token=token, **kw))
         return clients[-1]
 
     agents = SimAgents(server, spec, run_id, ranks=ranks, spool_root=Path(spool_root),
@@ -168,7 +169,8 @@ class Workers:
     """`procs` processes of simulated ranks (ranks dealt round-robin)."""
 
     def __init__(self, server: str, spec: simulate.SimSpec, run_id: str, spool_root: Path,
-                 *, procs: int, outage_steps: int, step_s: float) -> None:  # fmt: skip
+                 *, procs: int, outage_steps: int, step_s: float,
+                 token: str | None = None) -> None:  # fmt: skip
         ctx = mp.get_context("spawn")
         self.go, self.stop = ctx.Event(), ctx.Event()
         self.conns, self.procs = [], []
@@ -177,7 +179,8 @@ class Workers:
             parent, child = ctx.Pipe()
             ranks = list(range(i, spec.world_size, procs))
             p = ctx.Process(target=_agents_worker, args=(child, server, spec_kw, run_id, ranks,
-                            str(spool_root), outage_steps, step_s, self.go, self.stop))  # fmt: skip
+                            str(spool_root), outage_steps, step_s, self.go, self.stop,
+                                                          token))  # fmt: skip
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
