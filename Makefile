@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # DeepSpeed (the adapter tests and benchmarks) builds its CPU ops here once, then reuses them.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 
-.PHONY: demo test lint bench install install-dev system-deps gpu-wheels gpu-check
+.PHONY: demo test lint bench install install-dev system-deps gpu-wheels gpu-check wheel
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,11 @@ demo: install
 
 test: install-dev system-deps
 	$(BIN)/python -m pytest -q
+
+# A wheel of the whole package (docs/deploy.md: onto training nodes and a server host).
+wheel: | $(BIN)/python
+	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w dist .
+	@ls dist/zerowatch-*.whl
 
 lint: install-dev
 	$(BIN)/ruff check .
