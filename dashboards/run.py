@@ -33,12 +33,24 @@ from zerowatch.events import PHASES, STEP_PARTS
 _STEP_AXIS = {"title": {"text": "step"}}
 
 
+#: The step-time charts' legend: up to nine entries (every part, the step time, hidden
+#: communication) take two or three rows, which above the plot ran over the chart's title
+#: at any page width; below the step axis they have the width to themselves.
+_STEP_TIME_LEGEND = {**th.LEGEND_BELOW, "y": -0.2, "traceorder": "normal"}
+
+
+def _time_per_step_figure(title: str) -> go.Figure:
+    """An empty step-time chart: room below the step axis for its legend's rows (margins
+    that start there spare the browser the second draw automargin would make)."""
+    return th.figure(title, height=440, legend=_STEP_TIME_LEGEND,
+                     margin={"l": 64, "r": 24, "t": 56, "b": 120})  # fmt: skip
+
+
 def _time_per_step_layout(fig: go.Figure) -> go.Figure:
     fig.update_layout(
         hovermode="x unified",
         xaxis=_STEP_AXIS,
         yaxis={"title": {"text": "time per step (ms)"}, "rangemode": "tozero"},
-        legend={"traceorder": "normal"},
     )
     return fig
 
@@ -55,7 +67,7 @@ def step_parts(step_time: Series, parts: Mapping[str, Series], hidden_comm: Seri
         parts: mean seconds per step of each part.
         hidden_comm: mean seconds per step of communication compute hid.
     """
-    fig = th.figure("Step time by part (mean over ranks)", height=380)
+    fig = _time_per_step_figure("Step time by part (mean over ranks)")
     for name in [p for p in STEP_PARTS if parts.get(p)]:
         series = parts[name]
         fig.add_trace(
@@ -98,7 +110,7 @@ def step_breakdown(
         phases: seconds per step for each phase in events.PHASES order (others after).
         exposed_comm: seconds of communication compute did not hide, per step.
     """
-    fig = th.figure("Step time by phase", height=380)
+    fig = _time_per_step_figure("Step time by phase")
     by_step: dict[int, float] = {}
     for name in [p for p in PHASES if p in phases]:
         series = phases[name]
