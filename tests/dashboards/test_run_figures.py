@@ -283,3 +283,30 @@ def test_series_rejects_mismatched_lengths():
 def test_data_strings_are_escaped_for_plotly_labels():
     fig = run.bandwidth_vs_size({"<b>op</b>": SizePoints([1.0], [1.0])})
     assert fig.data[0].name == "&lt;b&gt;op&lt;/b&gt;"
+
+
+def test_memory_rank_axis_ticks_whole_positions_only():
+    """2 ranks drew ticks at -0.5, 0, 0.5, 1 and 1.5: positions that are no rank."""
+    gib = 2**30
+    two = run.memory_by_rank(dist([4 * gib, 5 * gib]), {}, {}, {}, stage=1).layout.xaxis
+    assert (two.tickmode, two.tick0, two.dtick, two.tickformat) == ("linear", 0, 1, ",d")
+    values = [1.0 * gib] * 35
+    wide = run.memory_by_rank(dist(values, n=4096, positions=[*range(34), 4095]), {}, {}, {},
+                              stage=3).layout.xaxis  # fmt: skip
+    assert wide.dtick == 500 and wide.tick0 == 0
+
+
+def test_memory_log_axis_labels_its_ticks_in_bytes():
+    """Plotly's own log ticks read "5 2 100 5 2 10" (the 2s and 5s by their digit alone)."""
+    mib = 2**20
+    y = run.memory_by_rank(dist([350 * mib, 360 * mib]), {"params": 2 * mib}, {},
+                           {"params": 2 * mib}, stage=2).layout.yaxis  # fmt: skip
+    assert y.type == "log" and y.tickmode == "array"
+    assert list(y.ticktext) == ["1 MiB", "2 MiB", "5 MiB", "10 MiB", "20 MiB", "50 MiB",
+                                "100 MiB", "200 MiB", "500 MiB"]  # fmt: skip
+    assert list(y.tickvals) == pytest.approx([1, 2, 5, 10, 20, 50, 100, 200, 500])
+    # A span of a thousand-fold and more keeps one tick a decade.
+    gib = 2**30
+    y = run.memory_by_rank(dist([3 * gib]), {"params": 2 * mib}, {}, {}, stage=2).layout.yaxis
+    assert list(y.ticktext) == ["1 MiB", "10 MiB", "100 MiB", "1 GiB"]
+    assert list(y.tickvals) == pytest.approx([1 / 1024, 10 / 1024, 100 / 1024, 1.0])
