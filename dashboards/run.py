@@ -243,24 +243,28 @@ def bandwidth_vs_size(
         ceiling_bytes_per_s: the best bus bandwidth measured on this machine, if known.
     """
     fig = th.figure("Bus bandwidth vs message size", height=380)
-    for op in sorted(points):
+    # The op with the most points first (underneath), the sparser on top of it; every op an
+    # outline of its own shape (theme.OP_SYMBOLS), so that none hides another.
+    for op in sorted(points, key=lambda o: (-len(points[o].sizes), o)):
         pts = points[op]
         if not pts.sizes:
             continue
+        symbol = th.OP_SYMBOLS.get(op, th.OTHER_OP_SYMBOL)
         fig.add_trace(
             th.scatter(
                 x=list(pts.sizes),
                 y=th.scaled(pts.busbw, th.GB),
                 name=th.op_label(op),
                 mode="markers",
-                marker={"color": th.OP_COLORS.get(op), "size": 7, "opacity": 0.7},
+                marker={"color": th.OP_COLORS.get(op), "symbol": symbol, "size": 9,
+                        "line": {"width": 1.5}},
                 customdata=list(pts.steps) if pts.steps else None,
                 hovertemplate=(
                     "%{x:.3s}B per call<br>%{y:.3~f} GB/s"
                     + ("<br>step %{customdata}" if pts.steps else "")
                 ),
             )
-        )
+        )  # fmt: skip
     if ceiling_bytes_per_s:
         fig.add_hline(
             y=ceiling_bytes_per_s / th.GB,

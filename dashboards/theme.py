@@ -66,6 +66,16 @@ OP_COLORS: dict[str, str] = {
     "all_reduce": "#4C78A8",
     "broadcast": "#54A24B",
 }
+#: One marker a collective op, each open (an outline) and each a different shape: where
+#: two ops share a message size and a bandwidth (a stage-3 step all-gathers and
+#: reduce-scatters the same buckets), both marks show, one drawn through the other.
+OP_SYMBOLS: dict[str, str] = {
+    "all_gather": "circle-open",
+    "reduce_scatter": "x-thin-open",
+    "all_reduce": "diamond-open",
+    "broadcast": "square-open",
+}
+OTHER_OP_SYMBOL = "triangle-up-open"
 KIND_COLORS: dict[str, str] = {
     "params": "#4C78A8",
     "grads": "#F58518",
@@ -311,6 +321,8 @@ __all__ = [
     "KIND_LABELS",
     "LEGEND_BELOW",
     "OP_COLORS",
+    "OP_SYMBOLS",
+    "OTHER_OP_SYMBOL",
     "PART_COLORS",
     "PART_LABELS",
     "PHASE_COLORS",

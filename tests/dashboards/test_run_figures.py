@@ -310,3 +310,17 @@ def test_memory_log_axis_labels_its_ticks_in_bytes():
     y = run.memory_by_rank(dist([3 * gib]), {"params": 2 * mib}, {}, {}, stage=2).layout.yaxis
     assert list(y.ticktext) == ["1 MiB", "10 MiB", "100 MiB", "1 GiB"]
     assert list(y.tickvals) == pytest.approx([1 / 1024, 10 / 1024, 100 / 1024, 1.0])
+
+
+def test_bandwidth_vs_size_shows_every_op_where_they_share_sizes_and_bandwidths():
+    """A stage-3 step all-gathers and reduce-scatters the same buckets: filled circles of one
+    size drew the reduce-scatter on top of every all-gather point."""
+    same = SizePoints(sizes=[4e6] * 3, busbw=[1e9] * 3, steps=[0, 1, 2])
+    fig = run.bandwidth_vs_size({"all_gather": same, "reduce_scatter": same,
+                                 "all_reduce": SizePoints([4e6], [1e9], [0])})  # fmt: skip
+    symbols = {t.name: t.marker.symbol for t in fig.data}
+    assert set(symbols) == {"all-gather", "reduce-scatter", "all-reduce"}
+    assert len(set(symbols.values())) == 3, symbols  # a shape of its own per op
+    assert all(s.endswith("-open") for s in symbols.values()), symbols  # outlines see through
+    # The op with the most points underneath, the sparser one drawn over it.
+    assert [t.name for t in fig.data] == ["all-gather", "reduce-scatter", "all-reduce"]
