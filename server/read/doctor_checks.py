@@ -78,6 +78,11 @@ def _typical(per: dict[int, Stats] | None, attr: str) -> int | None:
     return got.most_common(1)[0][0] if got else None
 
 
+def _sentence(text: str) -> str:
+    """`text` with its first letter capitalised (the rest as it is) and a full stop."""
+    return text[:1].upper() + text[1:] + "."
+
+
 def _host(e: Evidence, rank: int) -> str:
     h = e.hosts.get(rank)
     return f" on {h}" if h else ""
@@ -340,9 +345,43 @@ def _comm_phase_host_s(e: Evidence, exposed: float) -> float | None:
     return (gather or 0.0) + (reduce or 0.0) - exposed
 
 
+def _comm_tips(e: Evidence, op: str | None) -> list[str]:
+    """The knobs that act on `op`, the collective that carries most of the communication
+    time the run measured, at the run's stage: a parameter gather (stage 3) is moved by the
+    prefetch and the persistence threshold, and a lower stage gathers none; a gradient
+    reduction (reduce-scatter; the all-reduce of stage 0 and of stage 3's parameters kept
+    whole) by the reduce bucket and overlap_comm; the gather of the updated parameters after
+    the step (stages 1-2) by its bucket; overlap_comm where the reduction can run beside
+    backward (not stage 3's all-reduce, issued after it). Nothing op-specific for the rest (a broadcast, the
+    gradient norm's all-reduce), and none for an op the run did not make."""
+    stage = int(e.run.get("zero_stage") or 0)
+    zero = (e.run.get("config") or {}).get("zero_optimization") or {}
+    bundled = predict.CountedCalls.from_engine_info(e.run.get("engine_info")) is not None
+    overlap = None if zero.get("overlap_comm") else "set zero_optimization.overlap_comm: true"
+    if op == "all_gather" and stage == 3:
+        return ["raise stage3_prefetch_bucket_size so parameters arrive before they are needed",
+                "raise stage3_param_persistence_threshold so that small parameters stay whole "
+                "(never gathered)",
+                "a lower stage moves less (stage 3 gathers parameters twice a step)"]  # fmt: skip
+    if op == "all_gather" and stage in (1, 2):
+        key = "reduce_bucket_size" if bundled else "allgather_bucket_size"
+        return [f"raise zero_optimization.{key} so that fewer, larger all-gathers bring back "
+                "the updated parameters after the step"]  # fmt: skip
+    bucket = f"raise zero_optimization.reduce_bucket_size so that fewer, larger {op} calls "
+    if op == "reduce_scatter" or (op == "all_reduce" and stage == 0):
+        return [t for t in (overlap, bucket + "carry the gradients") if t]
+    if op == "all_reduce" and stage == 3:
+        # Issued at the end of backward, after the units' reduce-scatters: nothing left to
+        # overlap it with.
+        return [bucket + "carry the gradients of the parameters stage 3 keeps whole (under "
+                "stage3_param_persistence_threshold: they are never gathered)"]  # fmt: skip
+    return []
+
+
 def exposed_communication(e: Evidence, s: DoctorSettings) -> list[Finding]:
     """Communication compute did not hide, as a share of the step, on the rank that waits
-    least (waiting for a slower rank is that rank's finding)."""
+    least (waiting for a slower rank is that rank's finding); the advice is the knobs of the
+    op that carries most of the run's communication time (`_comm_tips`)."""
     step, exposed = e.median("step_time_s"), e.median("exposed_comm_s", "min")
     if not step or exposed is None:
         return []
@@ -351,13 +390,7 @@ def exposed_communication(e: Evidence, s: DoctorSettings) -> list[Finding]:
         return []
     ops = _op_stats(e)
     top = sorted(ops, key=lambda op: -ops[op]["seconds"])
-    stage = int(e.run.get("zero_stage") or 0)
-    tips = ["set zero_optimization.overlap_comm: true" if not (e.run.get("config") or {})
-            .get("zero_optimization", {}).get("overlap_comm") else None,
-            "raise stage3_prefetch_bucket_size so parameters arrive before they are needed"
-            if stage == 3 else None,
-            "a lower stage moves less (stage 3 gathers parameters twice a step)"
-            if stage == 3 else None,
+    tips = [*_comm_tips(e, top[0] if top else None),
             "a larger micro-batch or gradient accumulation spreads the same communication "
             "over more compute"]  # fmt: skip
     return [
@@ -369,12 +402,13 @@ def exposed_communication(e: Evidence, s: DoctorSettings) -> list[Finding]:
             f"{fmt_seconds(step)}) is communication that compute does not hide"
             + (f", most of it in {top[0]}" if top else "")
             + ".",
-            suggestion="; ".join(t for t in tips if t).capitalize() + ".",
+            suggestion=_sentence("; ".join(tips)),
             evidence={
                 "share": share,
                 "exposed_s": exposed,
                 "step_time_s": step,
                 "hidden_s": e.median("hidden_comm_s"),
+                "op": top[0] if top else None,
                 "seconds_by_op": {op: ops[op]["seconds"] for op in top},
             },
             chart="collectives",

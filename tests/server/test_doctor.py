@@ -35,10 +35,13 @@ def _store(
     n: int = 30,
     mutate: Mutate | None = None,
     engine_info: dict | None = None,
+    engine: str | None = None,
 ) -> str:
     rc = simulate.run_create(spec)
     if engine_info is not None:
         rc = dataclasses.replace(rc, engine_info=engine_info)
+    if engine is not None:
+        rc = dataclasses.replace(rc, engine=engine)
     store.create_run(db, run=rc)
     for events in simulate.steps(spec, n):
         if mutate is not None:
@@ -116,6 +119,68 @@ def test_exposed_communication_fires_above_its_share(db: Database) -> None:
 
     found = _found(db, _store(db, SPEC, mutate=exposed))
     assert _kinds(found) == {"exposed_communication"}, found
+
+
+def _exposed_in(*ops: tuple[str, float]) -> Mutate:
+    """60% of the step exposed, the collectives' seconds in `ops` ((op, seconds a step)):
+    the ops a run measured, and no other."""
+
+    def mutate(e: ev.StepEvent) -> ev.StepEvent:
+        stats = [ev.CollectiveStats.of_calls(
+            op, "param_fetch" if op == "all_gather" else "grad_reduce", world_size=8, count=8,
+            nbytes=8 << 20, latency_sum_s=secs, latency_max_s=secs / 8,
+            buckets=[0] * (len(ev.LATENCY_BUCKETS) + 1)) for op, secs in ops]  # fmt: skip
+        return dataclasses.replace(e, exposed_comm_s=0.6 * e.step_time_s, collectives=stats)
+
+    return mutate
+
+
+def _exposed(found: list[dict]) -> dict:
+    (f,) = [f for f in found if f["kind"] == "exposed_communication"]
+    return f
+
+
+def test_stage_3_without_gathers_gets_no_gather_advice(db: Database) -> None:
+    """Stage 3 whose parameters all sit under the persistence threshold: no all-gather in
+    fact, only the all-reduce of the whole parameters' gradients. The advice names the
+    knobs of that all-reduce, not the prefetch of gathers that never happen."""
+    spec = dataclasses.replace(SPEC, stage=3)
+    f = _exposed(_found(db, _store(db, spec, mutate=_exposed_in(("all_reduce", 0.2)))))
+    assert "most of it in all_reduce" in f["message"]
+    assert "reduce_bucket_size" in f["suggestion"]
+    assert "prefetch" not in f["suggestion"] and "gathers" not in f["suggestion"]
+    assert f["evidence"]["op"] == "all_reduce"
+
+
+def test_exposed_reduce_scatter_is_told_the_reduce_buckets_not_the_prefetch(
+    db: Database,
+) -> None:
+    """A DeepSpeed ZeRO-3 run whose collectives' time is mostly in reduce_scatter: the
+    gradient reduction's knobs (reduce_bucket_size, overlap_comm); the prefetch bucket acts
+    on the gathers only."""
+    spec = dataclasses.replace(SPEC, stage=3)
+    mutate = _exposed_in(("reduce_scatter", 0.2), ("all_gather", 0.05))
+    f = _exposed(_found(db, _store(db, spec, mutate=mutate, engine="deepspeed")))
+    assert "most of it in reduce_scatter" in f["message"]
+    assert "reduce_bucket_size" in f["suggestion"] and "overlap_comm" in f["suggestion"]
+    assert "prefetch" not in f["suggestion"] and "gathers parameters" not in f["suggestion"]
+
+
+def test_exposed_gathers_at_stage_3_are_told_the_prefetch_and_persistence(db: Database) -> None:
+    spec = dataclasses.replace(SPEC, stage=3)
+    mutate = _exposed_in(("all_gather", 0.2), ("reduce_scatter", 0.05))
+    f = _exposed(_found(db, _store(db, spec, mutate=mutate, engine="deepspeed")))
+    assert "most of it in all_gather" in f["message"]
+    assert "stage3_prefetch_bucket_size" in f["suggestion"]
+    assert "stage3_param_persistence_threshold" in f["suggestion"]
+    assert "reduce_bucket_size" not in f["suggestion"]
+
+
+def test_exposed_all_reduce_at_stage_0_is_told_the_buckets(db: Database) -> None:
+    spec = dataclasses.replace(SPEC, stage=0)
+    f = _exposed(_found(db, _store(db, spec, mutate=_exposed_in(("all_reduce", 0.2)))))
+    assert "reduce_bucket_size" in f["suggestion"] and "overlap_comm" in f["suggestion"]
+    assert "prefetch" not in f["suggestion"] and "lower stage" not in f["suggestion"]
 
 
 def _many_small(op: str, calls: int, msg: int, busbw: float) -> ev.CollectiveStats:
