@@ -9,13 +9,15 @@ one point) per run, in the given order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import plotly.graph_objects as go
 from zerowatch.dashboards import theme as th
 from zerowatch.dashboards.data import RunSummary
 
 from zerowatch.events import COLLECTIVE_OPS, STATE_KINDS, STEP_PARTS
+from zerowatch.units import fmt_count
 
 #: Legend to the right of the plot: compare charts have long category labels below.
 _LEGEND_RIGHT = {"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top",
@@ -61,6 +63,67 @@ def _byte_unit(totals: Sequence[float]) -> tuple[str, float]:
         if top >= size:
             return unit, size
     return "KiB", 2.0**10
+
+
+def _offload(run: Mapping[str, Any]) -> str:
+    parts = [name for name, key in (("optimizer", "offload_optimizer"), ("params", "offload_param"))
+             if run.get(key) not in (None, "", "none")]  # fmt: skip
+    return " + ".join(parts) + " to the CPU" if parts else "none"
+
+
+def _config(*path: str) -> Callable[[Mapping[str, Any]], object]:
+    def get(run: Mapping[str, Any]) -> object:
+        value: object = run.get("config") or {}
+        for key in path:
+            value = value.get(key) if isinstance(value, Mapping) else None
+        return value
+
+    return get
+
+
+#: What a compare page weighs runs by: (name, how a run's stored fields give it, how it
+#: prints). Runs that agree on all of these differ in timing alone.
+ASPECTS: tuple[tuple[str, Callable[[Mapping[str, Any]], object], Callable[[Any], str]], ...] = (
+    ("model", lambda r: r.get("param_count") or None, lambda n: f"{fmt_count(n)} parameters"),
+    ("ZeRO stage", lambda r: r.get("zero_stage"), str),
+    ("offload", _offload, str),
+    ("precision", lambda r: r.get("precision"), str),
+    ("world size", lambda r: r.get("world_size"), lambda n: f"{n} ranks"),
+    ("micro-batch", _config("train_micro_batch_size_per_gpu"), str),
+    ("gradient accumulation", _config("gradient_accumulation_steps"), lambda n: f"{n} step{'' if n == 1 else 's'}"),
+    ("reduce bucket", _config("zero_optimization", "reduce_bucket_size"),
+     lambda n: f"{fmt_count(n)} elements" if isinstance(n, (int, float)) else str(n)),
+    ("engine", lambda r: r.get("engine"), str),
+)  # fmt: skip
+
+
+def differences(runs: Sequence[Mapping[str, Any]]) -> str:
+    """The compare page's line on what differs between its runs (stored run fields, as
+    /api/v1/runs gives them) and what they share; an empty string for fewer than two runs.
+
+    The ZeRO trade (memory down, communication up as more state is sharded) is said only
+    where the stage is among the differences: runs of one stage differ by something else.
+    """
+    if len(runs) < 2:
+        return ""
+    differ, same = [], []
+    for name, get, show in ASPECTS:
+        values = [get(r) for r in runs]
+        if all(v is None for v in values):
+            continue
+        shown = ["unknown" if v is None else show(v) for v in values]
+        if len(set(shown)) > 1:
+            differ.append(f"{name} ({', '.join(dict.fromkeys(shown))})")
+        else:
+            same.append(f"{name} {shown[0]}")
+    shared = f"Same: {', '.join(same)}." if same else ""
+    if not differ:
+        return f"Same setup: {', '.join(same)}. What differs is run to run (the host, the time)."
+    line = f"What differs: {'; '.join(differ)}. {shared}".strip()
+    if any(d.startswith("ZeRO stage") for d in differ):
+        line += (" Memory per rank goes down as more state is sharded, communication per "
+                 "step goes up.")  # fmt: skip
+    return line
 
 
 def model_state(runs: Sequence[RunSummary]) -> go.Figure:
@@ -246,8 +309,10 @@ def figures(runs: Sequence[RunSummary]) -> dict[str, go.Figure]:
 
 
 __all__ = [
+    "ASPECTS",
     "CHARTS",
     "comm_bytes",
+    "differences",
     "figures",
     "model_state",
     "step_phases",

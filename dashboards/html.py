@@ -19,6 +19,7 @@ import jinja2
 import plotly
 import plotly.graph_objects as go
 from plotly.utils import PlotlyJSONEncoder
+from zerowatch.dashboards import compare
 from zerowatch.dashboards import theme as th
 
 #: Plotly config of every chart: responsive, no logo, no "edit in chart studio".
@@ -108,6 +109,7 @@ def environment() -> jinja2.Environment:
         rate=th.fmt_rate,
         time=_fmt_time,
         script_json=lambda v: jinja2.utils.markupsafe.Markup(script_json(v)),
+        differences=compare.differences,
     )
     # plotly's version in the script URL: browsers cache plotly.js, and an upgrade changes it.
     env.globals.update(status_colors=th.STATUS_COLORS, plot_config=PLOT_CONFIG,

@@ -138,3 +138,54 @@ def test_plan_memory_cuts_the_axis_at_three_gpus_and_labels_the_cut_bars():
     # 70B: 1.12 TB under DDP, 293 GB at stage 1 run past 240 GiB; stage 2 (147 GiB) does not.
     assert set(notes) == {"ZeRO-0", "ZeRO-1"}
     assert "TiB" in notes["ZeRO-0"]
+
+
+def stored_run(**over: object) -> dict[str, object]:
+    """A run's stored fields as the compare page gets them (/api/v1/runs' shape)."""
+    run: dict[str, object] = {
+        "run_id": "r", "name": "n", "status": "finished", "zero_stage": 2,
+        "offload_optimizer": "none", "offload_param": "none", "precision": "bf16",
+        "world_size": 2, "param_count": 1_230_000, "engine": "zerowatch",
+        "config": {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+                   "zero_optimization": {"stage": 2, "reduce_bucket_size": 500_000_000}},
+    }  # fmt: skip
+    run.update(over)
+    return run
+
+
+def test_compare_says_what_differs_between_its_runs_not_always_the_stage():
+    """The page said "Same model, different ZeRO stages…" over any runs compared."""
+    line = compare.differences([stored_run(precision="fp32"), stored_run(precision="bf16"),
+                                stored_run(precision="fp16")])  # fmt: skip
+    assert line.startswith("What differs: precision (fp32, bf16, fp16).")
+    assert "ZeRO stage 2" in line and "model 1.23M parameters" in line
+    assert "world size 2 ranks" in line and "sharded" not in line
+    # Stage and offload differ: both named, and the ZeRO trade said.
+    line = compare.differences([stored_run(zero_stage=1),
+                                stored_run(zero_stage=3, offload_optimizer="cpu")])  # fmt: skip
+    assert line.startswith("What differs: ZeRO stage (1, 3); offload (none, optimizer to the CPU).")
+    assert "communication per step goes up" in line
+    # Another model, and buckets of another size.
+    bucket = {"zero_optimization": {"reduce_bucket_size": 5e7}}
+    line = compare.differences([stored_run(), stored_run(param_count=7_000_000_000,
+                                                         config=bucket)])  # fmt: skip
+    assert "model (1.23M parameters, 7B parameters)" in line
+    assert "reduce bucket (500M elements, 50M elements)" in line
+    assert "micro-batch (8, unknown)" in line
+    # Nothing differs: said, with what they share.
+    line = compare.differences([stored_run(), stored_run()])
+    assert line.startswith("Same setup: model 1.23M parameters, ZeRO stage 2")
+    assert compare.differences([stored_run()]) == ""
+
+
+def test_compare_page_renders_the_differences_line_escaped():
+    from zerowatch.dashboards import html
+
+    runs = [stored_run(precision="<b>x</b>"), stored_run()]
+    page = html.render("compare.html", runs=[{**r, "offload": "none", "model_state_bytes": None,
+                                              "model_state_theory_bytes": None, "comm_bytes": None,
+                                              "step_time_s": None, "samples_per_s": None}
+                                             for r in runs],
+                       missing=[], charts=[], figures={}, nav="compare")  # fmt: skip
+    assert "Same model, different ZeRO stages" not in page
+    assert 'id="compare-differs">What differs: precision (&lt;b&gt;x&lt;/b&gt;, bf16).' in page
