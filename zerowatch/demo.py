@@ -114,7 +114,12 @@ def _wait_healthy(url: str, timeout_s: float = 10.0) -> None:
 def _server(
     port: int, db_url: str, log_path: Path
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """A `zerowatch serve` subprocess on 127.0.0.1, stopped by its pid on exit."""
+    """A `zerowatch serve` subprocess on 127.0.0.1, stopped by its pid on exit.
+
+    Stopped with SIGTERM, never a second SIGINT: a terminal's Ctrl-C has already sent the
+    child one SIGINT (the demo and its server share the terminal's process group), and
+    uvicorn takes a second SIGINT as "quit now", skipping the app's shutdown, which closes
+    the database: SQLite's `-wal` file (tens of MB after a demo) was left behind."""
     url = f"http://127.0.0.1:{port}"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
@@ -138,7 +143,7 @@ def _server(
             yield url, proc
         finally:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
+                proc.send_signal(signal.SIGTERM)
                 try:
                     proc.wait(timeout=15)
                 except subprocess.TimeoutExpired:
