@@ -368,6 +368,7 @@ def test_stage_3_on_a_comm_bound_run_suggests_a_lower_stage_with_a_paste_able_co
     assert pred["config"]["zero_optimization"]["stage"] < 3
     assert pred["step_time_s"] < pred["step_time_now_s"]
     assert pred["model_state_bytes"] > pred["model_state_now_bytes"]  # fewer shards
+    assert f["suggestion"].startswith("Paste the prediction's config")
 
 
 def test_a_stage_choice_predicted_30_percent_faster_is_a_warning(db: Database) -> None:
@@ -429,6 +430,39 @@ def test_a_run_on_the_fastest_layout_still_states_the_trade_with_every_candidate
     assert pred["config"]["zero_optimization"]["stage"] == 3  # the leanest
     assert pred["model_state_bytes"] < pred["model_state_now_bytes"]
     assert len(f["evidence"]["candidates"]) == 7  # every layout but the run's own
+    assert "Paste" not in f["suggestion"]  # nothing is predicted faster
+
+
+def _on_cpu(e: ev.StepEvent) -> ev.StepEvent:
+    """What the agent sends from a CPU-only job: host memory, no device capacity."""
+    assert e.memory is not None
+    return dataclasses.replace(e, memory=dataclasses.replace(e.memory, device="cpu",
+                                                             capacity_bytes=0))  # fmt: skip
+
+
+def test_a_cpu_job_with_nothing_faster_is_not_told_to_offload_or_paste(db: Database) -> None:
+    """A CPU-only job with no layout predicted faster: offload frees nothing there (its
+    device memory is the host's), memory is not short, so the finding names no offload and
+    asks for no config to be pasted; the candidates stay on record."""
+    spec = dataclasses.replace(SPEC, world_size=2, stage=2, num_params=100_000)
+    run_id = _store(db, spec, mutate=_on_cpu, engine_info={"device": "cpu"})
+    (f,) = [f for f in _found(db, run_id) if f["kind"] == "stage_choice"]
+    assert f["severity"] == "info"
+    assert "offload optimizer" not in f["message"] and "Paste" not in f["suggestion"]
+    pred = f["prediction"]
+    assert pred is None or "offload" not in str(pred["config"])
+    assert len(f["evidence"]["candidates"]) == 7
+
+
+def test_with_nothing_faster_and_memory_not_short_no_offload_is_named(db: Database) -> None:
+    """A GPU run at stage 3 with room to spare and no layout predicted faster: the leanest
+    layout would be offload, which the run does not need; none is named, none pasted."""
+    run_id = _store(db, dataclasses.replace(SPEC, stage=3))
+    got = doctor.findings(db=db, run_id=run_id, settings=DoctorSettings(stage_choice_min_gain=0.9))
+    assert got is not None
+    (f,) = [f for f in got["findings"] if f["kind"] == "stage_choice"]
+    assert f["severity"] == "info" and f["prediction"] is None
+    assert "offload optimizer" not in f["message"] and "Paste" not in f["suggestion"]
 
 
 def test_a_run_that_shared_its_cores_is_told_so_and_judged_on_its_own_work(
