@@ -424,22 +424,29 @@ def runs(
             "world": str(r.get("world_size", "")), "project": str(r.get("project", "")),
         })  # fmt: skip
     console = Console()
-    table = _runs_table(rows, width=console.width)
+    table, left_out = _runs_table(rows, width=console.width)
+    note = (f"Left out to fit {console.width} columns: {', '.join(left_out)} (a wider "
+            "terminal, or COLUMNS=200, shows them)." if left_out else "")  # fmt: skip
     if table is None:  # narrower than the longest id: the ids alone, one a line
         typer.echo("\n".join(r["id"] for r in rows))
+        if note:
+            typer.echo(note, err=True)
     else:
         console.print(table)
+        if note:
+            console.print(note, markup=False, highlight=False, style="dim")
 
 
 #: `zerowatch runs` columns in the order they are dropped last to first when the terminal is
-#: narrow; the id is never cut, so it can be copied into `zerowatch trace`.
-_RUNS_COLUMNS = ("id", "status", "name", "steps", "stage", "step time (s)", "world", "project")
+#: narrow (what tells runs apart and how fast they step before the rest); the id is never
+#: cut, so it can be copied into `zerowatch trace`. What was dropped is said under the table.
+_RUNS_COLUMNS = ("id", "status", "name", "step time (s)", "stage", "steps", "world", "project")
 _SHOWN_ORDER = ("id", "name", "project", "status", "stage", "world", "steps", "step time (s)")
 
 
-def _runs_table(rows: list[dict[str, str]], *, width: int) -> Table | None:
-    """A rich Table of `rows` with as many columns as fit `width` whole, the id always;
-    None when not even the id column fits."""
+def _runs_table(rows: list[dict[str, str]], *, width: int) -> tuple[Table | None, list[str]]:
+    """A rich Table of `rows` with as many columns as fit `width` whole, the id always
+    (None when not even the id column fits), and the columns left out, in table order."""
     from rich.table import Table
 
     def natural(col: str) -> int:  # the cell with its padding and left border
@@ -448,14 +455,15 @@ def _runs_table(rows: list[dict[str, str]], *, width: int) -> Table | None:
     kept = list(_RUNS_COLUMNS)
     while kept and sum(natural(c) for c in kept) + 1 > width:
         kept.pop()
+    left_out = [c for c in _SHOWN_ORDER if c not in kept and c != "id"]
     if not kept:
-        return None
+        return None, left_out
     table = Table()
     for col in (c for c in _SHOWN_ORDER if c in kept):
         table.add_column(col, no_wrap=True)
     for r in rows:
         table.add_row(*(r[c] for c in _SHOWN_ORDER if c in kept))
-    return table
+    return table, left_out
 
 
 def main() -> None:
