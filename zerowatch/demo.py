@@ -243,6 +243,43 @@ def _summary_table(compare: dict[str, Any], runs: list[StageRun]) -> Table:
     return table
 
 
+#: The contention (the step, less its collective waits, over the CPU time the job's threads
+#: used: the doctor's `basis.contention`) from which the demo says the host was busy: the
+#: doctor's own line (DoctorSettings.stage_choice_min_gain, 10%), above which its finding on
+#: the run page says the times are for the host to itself.
+CONTENDED = 1.10
+
+
+def _contention(client: httpx.Client, run_id: str) -> float | None:
+    """How contended the run's host was, as the server's doctor measured it (None where no
+    finding carries it: a GPU run, an older agent, no prediction made)."""
+    try:
+        resp = client.get(f"/api/v1/runs/{run_id}/findings")
+        found = resp.json().get("findings", []) if resp.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    values = [((f.get("prediction") or {}).get("basis") or {}).get("contention")
+              for f in found if isinstance(f, dict)]  # fmt: skip
+    known = [float(v) for v in values if isinstance(v, (int, float))]
+    return max(known, default=None)
+
+
+def busy_host_note(client: httpx.Client, runs: list[StageRun]) -> str | None:
+    """A warning for the summary when the host was busy during some run (another process on
+    its cores, or the job itself waiting): then the step times above are slower than this
+    machine gives and may not rank the stages as they would. None on a quiet host."""
+    busy = {sr.stage: c for sr in runs if sr.run_id
+            and (c := _contention(client, sr.run_id)) is not None and c > CONTENDED}  # fmt: skip
+    if not busy:
+        return None
+    each = ", ".join(f"ZeRO-{stage} {c:.2f}x" for stage, c in busy.items())
+    return (f"The host was busy: outside their collective waits the steps took longer than"
+            f" the job's threads ran on the CPU ({each}): they waited for cores (another"
+            " process on this machine?). The step times above are slower than this machine"
+            " gives and may not rank the stages as a quiet host would; the run pages say"
+            " more.")  # fmt: skip
+
+
 def run_demo(
     *,
     stages: list[int],
@@ -315,6 +352,9 @@ def run_demo(
             resp = client.get("/api/v1/compare", params={"runs": ids})
             compare = resp.json() if resp.status_code == 200 else {}
             console.print(_summary_table(compare, ok))
+            note = busy_host_note(client, ok)
+            if note:
+                console.print(f"[yellow]warning:[/] {note}", highlight=False)
             for sr in ok:
                 console.print(f"ZeRO-{sr.stage} run:  {url}/runs/{sr.run_id}", soft_wrap=True)
             console.print(f"compare:    {url}/compare?runs={ids}", soft_wrap=True)
@@ -327,4 +367,4 @@ def run_demo(
         return 1 if failed else 0
 
 
-__all__ = ["run_demo"]
+__all__ = ["busy_host_note", "run_demo"]
