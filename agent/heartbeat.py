@@ -59,17 +59,27 @@ def torch_flight(limit: int = TORCH_ENTRIES) -> list[dict[str, Any]] | None:
     and gloo's where torch keeps one), compacted: None where torch keeps none."""
     if not any(os.environ.get(v, "0").strip() not in ("", "0") for v in TORCH_BUFFER_VARS):
         return None
+    entries: list[dict[str, Any]] = []
+    seen: set[tuple[Any, ...]] = set()
     try:
         from torch._C import _distributed_c10d as c10d
-
-        dump = getattr(c10d, "_dump_fr_trace_json", None) or getattr(
-            c10d, "_dump_nccl_trace_json", None
-        )
-        if dump is None:
-            return None
-        entries = json.loads(dump(True, False)).get("entries") or []
-    except Exception:  # no distributed build, no recorder: the heartbeat goes without
+    except Exception:  # no distributed build: the heartbeat goes without
         return None
+    # torch 2.11 keeps NCCL's entries apart (its `_dump_nccl_trace_json`; the generic
+    # recorder, gloo's, answers none of them): read both, each entry once.
+    for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
+        dump = getattr(c10d, name, None)
+        try:
+            got = json.loads(dump(True, False)).get("entries") or [] if dump else []
+        except Exception:  # a recorder that is off or failed: the others still count
+            continue
+        for e in got:
+            key = (str(e.get("process_group")), e.get("collective_seq_id"),
+                   e.get("profiling_name"), e.get("time_created_ns"))  # fmt: skip
+            if key not in seen:
+                seen.add(key)
+                entries.append(e)
+    entries.sort(key=lambda e: float(e.get("time_created_ns", 0)))
     # What is still in flight first (the oldest of it is what the rank waits in), then the
     # newest of the rest, in torch's order.
     pending = [i for i, e in enumerate(entries) if not e.get("retired", False)][:limit]

@@ -210,7 +210,6 @@ def torch_flight_case(device: torch.device, tmp: Path) -> Row:
     def run() -> tuple[str, float | None, str]:
         from zerowatch.agent.heartbeat import torch_flight
 
-        os.environ["TORCH_FR_BUFFER_SIZE"] = "64"
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"file://{tmp}/flight", rank=0,
                                 world_size=1)  # fmt: skip
@@ -221,7 +220,6 @@ def torch_flight_case(device: torch.device, tmp: Path) -> Row:
             entries = torch_flight() or []
         finally:
             dist.destroy_process_group()
-            os.environ.pop("TORCH_FR_BUFFER_SIZE", None)
         ops = [e["op"] for e in entries]
         ok = f"{backend}:all_reduce" in ops
         return device.type, None, "PASS" if ok else f"FAIL: entries {ops[:4]}"
@@ -322,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(name, None)  # the one-process cases are no launcher's ranks
+    # torch's flight recorder is sized when the process's first group is made (as
+    # zerowatch.init_distributed sizes it): before any case makes one.
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "64")
     device = torch.device(args.device)
     rows: list[Row] = []
     if not args.no_pytest:
