@@ -118,12 +118,23 @@ def test_compare_accepts_commas_and_repeats_and_names_missing_runs(client):
     assert "missing-run" in resp.text
 
 
-def test_plotly_js_is_the_installed_package_file(client):
+def _js_version(text: bytes) -> str:
+    """The version in a plotly.js bundle's header comment ("* plotly.js ... v4.1.1")."""
+    head = text[:400].decode()
+    return head.split(" v", 1)[1].split()[0]
+
+
+def test_plotly_js_is_the_cartesian_bundle_of_the_installed_plotlys_version(client):
     resp = client.get("/static/plotly.min.js")
     assert resp.status_code == 200
     assert resp.headers["content-type"].startswith("text/javascript")
-    bundled = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
-    assert resp.content == bundled.read_bytes()
+    assert "immutable" in resp.headers["cache-control"]
+    # The figures are built by the plotly package for the plotly.js it embeds: the bundle
+    # served must be that version (update server/static/plotly-cartesian.min.js with it).
+    embedded = (Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_bytes()
+    assert b"plotly.js (cartesian - minified)" in resp.content[:200]
+    assert _js_version(resp.content) == _js_version(embedded)
+    assert len(resp.content) < len(embedded) / 3
     assert client.get("/favicon.ico").headers["content-type"] == "image/x-icon"
     assert client.get("/static/zerowatch.css").status_code == 200
 
