@@ -11,10 +11,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 import schemathesis
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, configuration, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation.modes import GenerationMode
@@ -29,6 +32,19 @@ RUN = dataclasses.replace(simulate.run_create(SPEC, run_id="known-run"), world_s
 METRICS = ["step_time_s", "phase.forward", "collective.all_gather.busbw", "memory.peak.forward",
            "offload.d2h.bandwidth", "scalars.x", "grad_norm"]  # fmt: skip
 EXAMPLES = 15
+
+
+@pytest.fixture(autouse=True)
+def _storage_outside_the_checkout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """schemathesis keeps its cache and crash reports under `.schemathesis/` of the working
+    directory, hypothesis its examples and constants under `.hypothesis/`: both go to the
+    test's temporary folder, so that the tests leave the working tree as they found it."""
+    monkeypatch.chdir(tmp_path)
+    configuration.set_hypothesis_home_dir(tmp_path / ".hypothesis")
+    yield
+    configuration.set_hypothesis_home_dir(None)
 
 
 def _seed(client: TestClient) -> None:
