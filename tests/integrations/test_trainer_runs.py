@@ -21,7 +21,8 @@ from support.foreign_jobs import assert_every_step_stored, server_run, server_se
 from support.live_server import LiveServer
 from support.ports import free_port
 
-pytestmark = pytest.mark.slow
+# DeepSpeed builds its CPU ops on first use: conftest builds them before the tests.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("deepspeed_ops")]
 
 STEPS = 10
 HF = ["hf-ddp", "hf-fsdp2", "hf-deepspeed-zero2", "hf-deepspeed-zero3"]
@@ -65,7 +66,6 @@ CPU_REFUSED = {
         "prepare returns the model unsharded (or in DDP), without an error",
     ),
 }
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,6 @@ def job(server: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> list[di
     out = tmp_path_factory.mktemp("integrations")
     env = {**os.environ, "ZEROWATCH_SERVER": server.url, "DS_ACCELERATOR": "cpu",
            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(Path(__file__).with_name("variants.py")), str(out), *VARIANTS]  # fmt: skip

@@ -30,7 +30,8 @@ from support.foreign_jobs import (
 )
 from support.live_server import LiveServer
 
-pytestmark = pytest.mark.slow
+# DeepSpeed builds its CPU ops on first use: conftest builds them before the tests.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("deepspeed_ops")]
 
 STEPS = 6
 CONFIGS = list(DEEPSPEED_CONFIGS)
