@@ -259,8 +259,9 @@ def bandwidth_vs_size(
                 marker={"color": th.OP_COLORS.get(op), "symbol": symbol, "size": 9,
                         "line": {"width": 1.5}},
                 customdata=list(pts.steps) if pts.steps else None,
+                text=[th.fmt_bytes(v) for v in pts.sizes],
                 hovertemplate=(
-                    "%{x:.3s}B per call<br>%{y:.3~f} GB/s"
+                    "%{text} per call<br>%{y:.3~f} GB/s"
                     + ("<br>step %{customdata}" if pts.steps else "")
                 ),
             )
@@ -273,10 +274,23 @@ def bandwidth_vs_size(
             annotation_position="top left",
         )
     fig.update_layout(
-        xaxis={"title": {"text": "message size (bytes per call)"}, "type": "log"},
+        xaxis={
+            "title": {"text": "message size (bytes per call)"},
+            "type": "log",
+            **_size_axis([v for p in points.values() for v in p.sizes if v > 0]),
+        },
         yaxis={"title": {"text": "bus bandwidth (GB/s)"}, "rangemode": "tozero"},
     )
     return fig
+
+
+def _size_axis(sizes: Sequence[float]) -> dict[str, object]:
+    """The log size axis labelled in bytes (theme.byte_ticks), over the sizes and a factor
+    1.6 either side: wide enough to hold a 1-2-5 tick even where every call had one size."""
+    if not sizes:
+        return {}
+    span = [math.log10(min(sizes) / 1.6), math.log10(max(sizes) * 1.6)]
+    return {**th.byte_ticks(sizes, 1.0), "range": span, "autorange": False}
 
 
 def offload(bandwidth: Mapping[str, Series]) -> go.Figure:

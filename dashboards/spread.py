@@ -225,7 +225,7 @@ def memory_by_rank(
         ))  # fmt: skip
     axis_y = {"title": {"text": f"memory ({unit}{', log scale' if log else ''})"},
               "type": "log" if log else "linear",
-              **(_byte_ticks(values, scale) if log else {"rangemode": "tozero"})}  # fmt: skip
+              **(th.byte_ticks(values, scale) if log else {"rangemode": "tozero"})}  # fmt: skip
     fig.update_layout(
         xaxis={**th.AXIS_STYLE, "domain": [0.0, 0.64] if order else [0.0, 1.0],
                "title": {"text": "rank order (lowest peak to highest)"},
@@ -243,25 +243,6 @@ def _rank_ticks(n: int) -> dict[str, object]:
     of 1, 2 or 5 times a power of ten that leaves at most 10 ticks."""
     step = next(d for d in (m * 10**k for k in range(16) for m in (1, 2, 5)) if n / d <= 10)
     return {"tickmode": "linear", "tick0": 0, "dtick": step, "tickformat": ",d"}
-
-
-def _byte_ticks(values: Sequence[float], scale: float) -> dict[str, object]:
-    """A log axis's ticks at 1, 2 and 5 KiB, MiB, GiB... (every tenth of them where they
-    would crowd), labelled with their bytes ("200 MiB", "1 GiB"): plotly's own log ticks
-    label 2 and 5 with the digit alone ("5 2 100 5 2 10"), which reads as numbers out of
-    order. `values` are bytes; the axis draws them divided by `scale`."""
-    shown = [v for v in values if v > 0]
-    if not shown:
-        return {}
-    low, top = min(shown) / 2.5, max(shown) * 2.5
-    marks = [(m, m * unit) for unit in (1, 2**10, 2**20, 2**30, 2**40, 2**50)
-             for m in (1, 2, 5, 10, 20, 50, 100, 200, 500)]  # fmt: skip
-    marks = [(m, b) for m, b in marks if low <= b <= top]
-    if len(marks) > 10:
-        marks = [(m, b) for m, b in marks if m in (1, 10, 100)]
-    ticks = [b for _, b in marks]
-    return {"tickmode": "array", "tickvals": [b / scale for b in ticks],
-            "ticktext": [th.fmt_bytes(b) for b in ticks]}  # fmt: skip
 
 
 def _quantile_names(dist: RankDistribution) -> list[str]:

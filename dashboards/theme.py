@@ -233,6 +233,25 @@ def grid_figure(
                              "annotations": annotations, **layout}, _validate=VALIDATE)  # fmt: skip
 
 
+def byte_ticks(values: Sequence[float], scale: float) -> dict[str, object]:
+    """A log axis's ticks at 1, 2 and 5 KiB, MiB, GiB... (every tenth of them where they
+    would crowd), labelled with their bytes ("200 MiB", "1 GiB"): plotly's own log ticks
+    label 2 and 5 with the digit alone ("5 2 100 5 2 10"), which reads as numbers out of
+    order. `values` are bytes; the axis draws them divided by `scale`."""
+    shown = [v for v in values if v > 0]
+    if not shown:
+        return {}
+    low, top = min(shown) / 2.5, max(shown) * 2.5
+    marks = [(m, m * unit) for unit in (1, 2**10, 2**20, 2**30, 2**40, 2**50)
+             for m in (1, 2, 5, 10, 20, 50, 100, 200, 500)]  # fmt: skip
+    marks = [(m, b) for m, b in marks if low <= b <= top]
+    if len(marks) > 10:
+        marks = [(m, b) for m, b in marks if m in (1, 10, 100)]
+    ticks = [b for _, b in marks]
+    return {"tickmode": "array", "tickvals": [b / scale for b in ticks],
+            "ticktext": [fmt_bytes(b) for b in ticks]}  # fmt: skip
+
+
 def rgba(color: str, alpha: float) -> str:
     """A `#RRGGBB` colour with an opacity, as plotly takes it (`rgba(r,g,b,a)`)."""
     r, g, b = (int(color[i : i + 2], 16) for i in (1, 3, 5))
@@ -332,6 +351,7 @@ __all__ = [
     "THEORY_COLOR",
     "VALIDATE",
     "base_layout",
+    "byte_ticks",
     "color_for",
     "figure",
     "finite",

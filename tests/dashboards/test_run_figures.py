@@ -324,3 +324,12 @@ def test_bandwidth_vs_size_shows_every_op_where_they_share_sizes_and_bandwidths(
     assert all(s.endswith("-open") for s in symbols.values()), symbols  # outlines see through
     # The op with the most points underneath, the sparser one drawn over it.
     assert [t.name for t in fig.data] == ["all-gather", "reduce-scatter", "all-reduce"]
+
+
+def test_bandwidth_vs_size_labels_its_size_axis_in_bytes_even_for_one_size():
+    """Plotly's log ticks read "5 6 7 8 9 10k 2 3 4": digits alone between the decades."""
+    fig = run.bandwidth_vs_size({"all_gather": SizePoints([440_000] * 2, [1e9] * 2, [0, 1])})
+    x = fig.layout.xaxis
+    lo, hi = x.range
+    drawn = [t for v, t in zip(x.tickvals, x.ticktext, strict=True) if 10**lo <= v <= 10**hi]
+    assert drawn == ["500 KiB"]  # within the drawn range, around the one size
