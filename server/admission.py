@@ -44,6 +44,8 @@ from zerowatch.server.auth import authenticate, request_headers
 
 #: What agents POST: their RunCreate (every rank, idempotent) and their event batches.
 _INGEST_PATH = re.compile(r"^/api/v1/runs(/[^/]+/events)?/?$")
+#: Agents' other POSTs: authenticated from their headers too, not admitted (no slot).
+_HEARTBEATS_PATH = re.compile(r"^/api/v1/runs/[^/]+/heartbeats/?$")
 #: Answers per second assumed before any was measured.
 _INITIAL_RATE = 20.0
 #: Measurement window of the answer rate.
@@ -134,7 +136,8 @@ class AdmissionMiddleware:
     """Sheds agents' POSTs past `Admission.max_pending` with 503 + Retry-After (see module).
 
     A POST without the token (`token`, checked by auth.authenticate on its headers) is
-    answered 401/403 before it is admitted: it holds no slot while its body trickles in."""
+    answered 401/403 before it is admitted: it holds no slot while its body trickles in.
+    Heartbeats are authenticated the same way (before their body is read), not admitted."""
 
     def __init__(self, app: Any, admission: Admission, token: str | None = None) -> None:
         self.app = app
@@ -142,10 +145,12 @@ class AdmissionMiddleware:
         self.token = token
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        ingest = bool(_INGEST_PATH.match(path))
         if (
             scope["type"] != "http"
             or scope.get("method") != "POST"
-            or not _INGEST_PATH.match(scope.get("path", ""))
+            or not (ingest or _HEARTBEATS_PATH.match(path))
             or scope.get(ADMITTED)
         ):
             await self.app(scope, receive, send)
@@ -155,7 +160,10 @@ class AdmissionMiddleware:
         except HTTPException as e:
             await errors.answer(e, scope["method"], scope["path"])(scope, receive, send)
             return
-        await admitted(self.admission, self.app, scope, receive, send)
+        if ingest:
+            await admitted(self.admission, self.app, scope, receive, send)
+        else:  # a heartbeat: authenticated before its body is read, held to no bound
+            await self.app(scope, receive, send)
 
 
 async def admitted(

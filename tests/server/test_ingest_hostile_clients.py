@@ -137,3 +137,15 @@ def test_slow_senders_without_the_token_do_not_lock_agents_out() -> None:
         finally:
             for s in slow:
                 s.close()
+
+
+def test_a_heartbeat_without_the_token_is_answered_from_its_headers() -> None:
+    """The heartbeats route holds no ingest slot, but its body was read before the token was
+    checked: a slow unauthenticated sender held its connection until the body deadline."""
+    with LiveServer(token=TOKEN) as server:
+        s = _slow_sender(server.port, "/api/v1/runs/h/heartbeats", None)
+        try:
+            head = s.recv(200)  # the body is still unsent
+            assert head.startswith(b"HTTP/1.1 401"), head
+        finally:
+            s.close()
