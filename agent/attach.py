@@ -171,8 +171,8 @@ def _check_args(project: Any, tags: Any, run: Any) -> list[str]:
         return []
     if (isinstance(tags, str) or not all(isinstance(t, str) and len(t) <= 100 for t in tags)
             or len(tags) > 64):  # fmt: skip
-        raise ValueError(f"tags: expected at most 64 strings of at most 100 characters, "
-                         f"got {tags!r}")  # fmt: skip
+        raise ValueError(f"tags: expected a list of strings (at most 64, of at most 100 "
+                         f"characters each), got {tags!r}")  # fmt: skip
     return list(tags)
 
 

@@ -24,7 +24,7 @@ import httpx
 import pytest
 from support.live_server import LiveServer
 from support.prometheus import PrometheusError, PrometheusServer, prometheus
-from zerowatch.alerts import RULES_PATH, AlertSettings, render_rules
+from zerowatch.alerts import ALERT_NAMES, RULES_PATH, AlertSettings, render_rules
 
 from zerowatch import events as ev
 from zerowatch.simulate import SimSpec, heartbeats, run_create, step_event
@@ -125,7 +125,7 @@ def test_prometheus_raises_regression_and_stall_alerts_from_a_live_server(
 
             groups = prom.rules()
             assert all(r["health"] != "err" for g in groups for r in g["rules"]), groups
-            assert len(groups) == 13
+            assert len(groups) == len(ALERT_NAMES)  # a group of each alert, all loaded
 
             regressing = SimulatedRun(
                 server, SimSpec(name="regressing", project="e2e", step_time_s=0.5, seed=1)

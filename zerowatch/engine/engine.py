@@ -194,9 +194,11 @@ class ZeroEngine:
             if 3 in manage:  # the one figure of the agents and servers before the table
                 self.collective_calls["stage3_management_s"] = manage[3]
         # ... and the bus bandwidth of the job's process group with one large message, for
-        # the doctor to judge small collectives by when a run has no larger ones of its own.
-        link = link_bandwidth(comm=self.comm, world_size=self.world_size, device=self.device,
-                              dtype=self.dtype)  # fmt: skip
+        # the doctor to judge small collectives by when a run has no larger ones of its own
+        # (not for a partitioned model either: its message, 8 MiB, is more than Init lets
+        # start-up hold).
+        link = None if sharded else link_bandwidth(
+            comm=self.comm, world_size=self.world_size, device=self.device, dtype=self.dtype)  # fmt: skip
         if link is not None and self.collective_calls:
             self.collective_calls["link"] = link
         #: Stage 3 reduces gradients on a process group of its own (docs/gpu.md).
