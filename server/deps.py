@@ -45,7 +45,11 @@ async def require_write(request: Request, _scheme: Credentials) -> None:
     send one). (The settings come straight from the app, not through SettingsDep: one
     dependency fewer to solve.)"""
     settings: Settings = request.app.state.settings
-    if request.method == "DELETE" and not settings.token and not settings.allow_delete_without_token:
+    if (
+        request.method == "DELETE"
+        and not settings.token
+        and not settings.allow_delete_without_token
+    ):
         raise HTTPException(
             403, "deleting a run needs a token (ZEROWATCH_TOKEN), or "
             "ZEROWATCH_ALLOW_DELETE_WITHOUT_TOKEN=1 on a server no browser of another site "
