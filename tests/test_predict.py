@@ -432,7 +432,7 @@ def test_a_run_below_stage_3_prices_the_management_the_engine_rehearsed() -> Non
              2: {"all_gather": [2], "reduce_scatter": [2], "all_reduce": [1]},
              3: {"all_gather": [8], "reduce_scatter": [4]}}  # fmt: skip
     info = _table(1000, [1000], calls)
-    info["collective_calls"]["stage3_management_s"] = 0.002
+    info["collective_calls"]["management_s"] = {"3": 0.002}
     s1 = dataclasses.replace(
         stage3_on_cpu(stage=1, comm_phase_host_s=-0.001),
         counted_calls=predict.CountedCalls.from_engine_info(info),
@@ -448,9 +448,9 @@ def test_a_run_below_stage_3_prices_the_management_the_engine_rehearsed() -> Non
     gpu = dataclasses.replace(s1, device="cuda")
     assert predict.predict(gpu, predict.Change(stage=3)).basis["management_s_new"] == 0.0
     for bad in (-1.0, "x", float("nan")):
-        info["collective_calls"]["stage3_management_s"] = bad
+        info["collective_calls"]["management_s"] = {"3": bad}
         counted = predict.CountedCalls.from_engine_info(info)
-        assert counted is not None and counted.stage3_management_s is None
+        assert counted is not None and counted.management_s == {}
 
 
 def test_each_stages_communication_path_is_priced_from_the_engines_rehearsal() -> None:

@@ -159,10 +159,6 @@ class CountedCalls:
     bucket_sizes: tuple[int, ...]
     #: stage -> op -> calls per step at each of `bucket_sizes`.
     calls: dict[int, dict[str, tuple[int, ...]]]
-    #: Seconds per step of stage 3's parameter management at the run's bucket size, as the
-    #: engine timed it on the job's parameters at initialization (engine/rehearsal.py;
-    #: None: not timed: a GPU, an engine before it).
-    stage3_management_s: float | None = None
     #: stage -> seconds per step of that stage's communication path on the training thread
     #: outside the collectives' waits (stage 3: its parameter management; stages 0-2: their
     #: bucket handling), as the engine rehearsed it on the job's parameters and process
@@ -183,9 +179,6 @@ class CountedCalls:
             own = int(raw["reduce_bucket_size"])
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
-        manage = raw.get("stage3_management_s")
-        if not _seconds(manage):
-            manage = None
         table = raw.get("management_s")
         per_stage: dict[int, float] = {}
         if isinstance(table, dict):
@@ -200,7 +193,6 @@ class CountedCalls:
         ):
             return None
         return cls(reduce_bucket_size=own, bucket_sizes=sizes, calls=calls,
-                   stage3_management_s=None if manage is None else float(manage),
                    management_s=per_stage)  # fmt: skip
 
     def at(self, stage: int, bucket: int | None = None) -> dict[str, float] | None:
@@ -537,15 +529,12 @@ def rehearsed_management_s(m: Measured, stage: int = 3) -> float | None:
     """Seconds per step of `stage`'s communication path on the training thread outside the
     collectives' waits, as the engine rehearsed it on the job's parameters and process
     group at initialization (engine/rehearsal.py: the real calls, asynchronous, with the
-    stage's bookkeeping around them; the median of its passes). For stage 3 an engine
-    before the per-stage table sent its parameter management alone. None on a GPU and
-    where the engine did not rehearse it."""
+    stage's bookkeeping around them; the median of its passes). None on a GPU and where
+    the engine did not rehearse it."""
     cc = m.counted_calls
     if m.device != "cpu" or cc is None:
         return None
-    if stage in cc.management_s:
-        return cc.management_s[stage]
-    return cc.stage3_management_s if stage == 3 and not cc.management_s else None
+    return cc.management_s.get(stage)
 
 
 def management_s(m: Measured, stage: int) -> float:

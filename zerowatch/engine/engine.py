@@ -191,8 +191,6 @@ class ZeroEngine:
             device=self.device, dtype=self.dtype)  # fmt: skip
         if manage is not None and self.collective_calls:
             self.collective_calls["management_s"] = {str(st): v for st, v in manage.items()}
-            if 3 in manage:  # the one figure of the agents and servers before the table
-                self.collective_calls["stage3_management_s"] = manage[3]
         # ... and the bus bandwidth of the job's process group with one large message, for
         # the doctor to judge small collectives by when a run has no larger ones of its own
         # (not for a partitioned model either: its message, 8 MiB, is more than Init lets
