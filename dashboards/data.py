@@ -164,6 +164,8 @@ class RunView:
 
     run: dict[str, Any]
     steps: list[int] = field(default_factory=list)
+    #: Sampled steps inside the drawn range with no rollup (yet): gaps in the lines.
+    missing_steps: list[int] = field(default_factory=list)
     step_time: Series = field(default_factory=Series)
     phases: dict[str, Series] = field(default_factory=dict)
     #: The exclusive parts (events.STEP_PARTS), means over ranks: they add up to

@@ -130,14 +130,15 @@ def step_breakdown(
             )
         )
     if step_time and by_step:
-        other = [
-            None if v is None else max(v - by_step.get(s, 0.0), 0.0)
-            for s, v in zip(step_time.steps, step_time.values, strict=True)
-        ]
+        # At the steps the stack has (a step without a step time is a gap of the line, but
+        # a stacked area would fall to zero there).
+        known = [(s, v) for s, v in zip(step_time.steps, step_time.values, strict=True)
+                 if v is not None and s in by_step]  # fmt: skip
+        other = [max(v - by_step[s], 0.0) for s, v in known]
         if any(o for o in other):
             fig.add_trace(
                 th.scatter(
-                    x=list(step_time.steps),
+                    x=[s for s, _ in known],
                     y=th.scaled(other, 1e-3),
                     name=th.phase_label("other"),
                     stackgroup="phases",
@@ -542,7 +543,8 @@ def waterfall_by_rank(view: RunView) -> dict[str, dict[str, Any]]:
 
 
 def missing_notes(view: RunView, drawn: dict[str, go.Figure]) -> list[str]:
-    """Why a chart is absent, for the charts a run has no data for."""
+    """Why a chart is absent, for the charts a run has no data for; and which drawn steps
+    have no figures (`RunView.missing_steps`)."""
     notes = {
         "collectives": "No collectives recorded (a single rank communicates nothing).",
         "memory": "No memory measurements recorded.",
@@ -551,7 +553,13 @@ def missing_notes(view: RunView, drawn: dict[str, go.Figure]) -> list[str]:
     }
     if not view.steps:
         return []
-    return [text for key, text in notes.items() if key not in drawn]
+    out = [text for key, text in notes.items() if key not in drawn]
+    gone = view.missing_steps
+    if gone:  # said, and drawn as gaps, not as lines across them
+        out.insert(0, f"{len(gone):,} of the drawn steps ({gone[0]:,}–{gone[-1]:,}) have no "
+                      "figures yet: still being rolled up (after an upload, for a minute or "
+                      "so: reload) or never stored. The lines leave them out.")  # fmt: skip
+    return out
 
 
 __all__ = [

@@ -73,9 +73,20 @@ def _p50(per_step: dict[int, Stats], steps: list[int]) -> Series:
     return Series(xs, [per_step[s].p50 for s in xs])
 
 
+def _p50_gaps(per_step: dict[int, Stats], steps: list[int]) -> Series:
+    """The median at every sampled step, None where the step has no rollup: a line breaks
+    there instead of drawing across steps it does not have."""
+    return Series(steps, [per_step[s].p50 if s in per_step else None for s in steps])
+
+
 def _mean(per_step: dict[int, Stats], steps: list[int]) -> Series:
     xs = [s for s in steps if s in per_step]
     return Series(xs, [per_step[s].mean for s in xs])
+
+
+def _mean_gaps(per_step: dict[int, Stats], steps: list[int]) -> Series:
+    """The mean at every sampled step, None where the step has no rollup (`_p50_gaps`)."""
+    return Series(steps, [per_step[s].mean if s in per_step else None for s in steps])
 
 
 def run_view(
@@ -104,18 +115,26 @@ def run_view(
         got = rollups.read(conn, pk, names or None, steps_in=steps)
         memory = _memory(conn, pk, bounds[1])
     view.last_step = bounds[1]
-    view.steps = sorted(got.get("step_time_s", {}))
+    have = got.get("step_time_s", {})
+    view.steps = sorted(have)
+    # Sampled steps between the first and the last that have a rollup but no step time
+    # (still being rolled up after an upload, or never stored): said on the page, and a gap
+    # in the lines over steps.
+    view.missing_steps = [x for x in steps if x not in have and view.steps
+                          and view.steps[0] < x < view.steps[-1]]  # fmt: skip
     st = view.steps
+    lines = sorted({*st, *view.missing_steps})
     none: dict[int, Stats] = {}
-    view.step_time = _p50(got.get("step_time_s", none), st)
-    view.exposed_comm = _p50(got.get("exposed_comm_s", none), st)
+    view.step_time = _p50_gaps(got.get("step_time_s", none), lines)
+    view.exposed_comm = _p50_gaps(got.get("exposed_comm_s", none), lines)
+    # (Stacked areas would fall to zero at a gap: they keep the steps they have.)
     view.phases = {p: _p50(got[f"phase.{p}"], st) for p in ev.PHASES if got.get(f"phase.{p}")}
     # The stack of exclusive parts: means over ranks, which add up to the mean step time.
     view.parts = {p: _mean(got[f"part.{p}"], st) for p in ev.STEP_PARTS
                   if got.get(f"part.{p}")}  # fmt: skip
-    if view.parts:
-        view.step_time_mean = _mean(got.get("step_time_s", none), st)
-        view.hidden_comm = _mean(got.get("hidden_comm_s", none), st)
+    if view.parts:  # (the stack keeps the steps it has; the lines beside it show the gaps)
+        view.step_time_mean = _mean_gaps(got.get("step_time_s", none), lines)
+        view.hidden_comm = _mean_gaps(got.get("hidden_comm_s", none), lines)
     view.offload = {d: _p50(got[f"offload.{d}.bandwidth"], st) for d in ("d2h", "h2d")
                     if got.get(f"offload.{d}.bandwidth")}  # fmt: skip
     for name in SPREAD:

@@ -182,3 +182,29 @@ def test_plan_page_prints_the_figures_zerowatch_plan_prints(client, params):
         assert (sent if sent != "0 B" else "-") in cli_cells, (sent, line)
         if "bandwidth" in params:
             assert cells[4] in cli_cells, (cells[4], line)
+
+
+def test_steps_without_figures_are_gaps_in_the_lines_and_said_on_the_page(tmp_path):
+    """Steps of a run that have no figures (still being rolled up after an upload, or never
+    stored) were drawn as a straight line across, and nothing said so."""
+    from sqlalchemy import delete
+    from zerowatch.server import models as m
+
+    app = create_app(Settings(db_url=f"sqlite:///{tmp_path / 'z.db'}", stalled_after_s=3600))
+    spec = sim.SimSpec(name="holes", stage=1, world_size=2, seed=4)
+    rc = sim.run_create(spec)
+    store.create_run(app.state.db, run=rc)
+    events = [e for step in sim.steps(spec, 30) for e in step]
+    store.ingest_batch(app.state.db, run_id=rc.run_id,
+                       batch=ev.EventBatch(run_id=rc.run_id, events=events))  # fmt: skip
+    with app.state.db.write() as conn:
+        for table in (m.steps, m.step_rollups, m.dirty_steps):
+            conn.execute(delete(table).where(table.c.step.between(10, 19)))
+    with TestClient(app) as c:
+        page = c.get(f"/runs/{rc.run_id}").text
+        assert "10 of the drawn steps (10–19) have no figures yet" in page
+        figs = c.get(f"/runs/{rc.run_id}/figures.json").json()["figures"]
+        (line,) = [t for fig in figs.values() for t in fig["data"]
+                   if t.get("name") == "step time"]  # fmt: skip
+        at = dict(zip(line["x"], line["y"], strict=True))
+        assert all(at[s] is None for s in range(10, 20)) and at[9] is not None
