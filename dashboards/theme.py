@@ -115,6 +115,16 @@ CAPACITY_COLOR = "#C0392B"
 FONT = "Inter, -apple-system, 'Segoe UI', Roboto, Helvetica, Arial, sans-serif"
 
 
+def recent_label(steps: int) -> str:
+    """What a run's recent step time and samples/s are, as every page names them: the
+    server's one definition (server/read/runs.py `recent`, read/compare.py with the same
+    window)."""
+    return (
+        f"median over the run's newest {steps} steps of each step's median rank "
+        "(samples/s: of the whole job's)"
+    )
+
+
 def color_for(index: int) -> str:
     """The `index`-th colour of the qualitative palette (cycles)."""
     return SERIES_COLORS[index % len(SERIES_COLORS)]

@@ -328,6 +328,7 @@ def job(
 @router.get("/compare", dependencies=Read, tags=["series"])
 def compare(
     db: DbDep,
+    settings: SettingsDep,
     runs: Annotated[
         str, Query(min_length=1, max_length=4000, description="Comma-separated run ids.")
     ],
@@ -335,7 +336,15 @@ def compare(
         str | None,
         Query(max_length=4000, description="Comma-separated metrics to add (medians)."),
     ] = None,
-    window: Annotated[int, Query(ge=1, le=100000)] = 100,
+    window: Annotated[
+        int | None,
+        Query(
+            ge=1,
+            le=100000,
+            description="Newest steps each figure is over (default: the "
+            "server's recent_steps, the window of every run's recent figures).",
+        ),
+    ] = None,
 ) -> dict[str, Any]:
     """Runs side by side: model state, bytes per step per op, step parts, samples/s."""
     run_ids = [r.strip() for r in runs.split(",") if r.strip()]
@@ -343,7 +352,8 @@ def compare(
     if not run_ids:
         raise _unprocessable(["query", "runs"], "name at least one run")
     with _refused("metrics"):
-        return compare_read.compare(db=db, run_ids=run_ids, metrics=metric_names, window=window)
+        return compare_read.compare(db=db, run_ids=run_ids, metrics=metric_names,
+                                    window=window or settings.recent_steps)  # fmt: skip
 
 
 @router.get("/runs/{run_id}/trace", dependencies=Read, tags=["trace"])

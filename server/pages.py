@@ -154,6 +154,7 @@ def runs_page(
     projects = sorted(set(page_queries.projects(db=db)) | ({project} if project else set()))
     return _page(
         "runs.html",
+        recent=th.recent_label(settings.recent_steps),
         nav="runs",
         runs=[_run_row(r, now) for r in runs],
         projects=projects,
@@ -277,6 +278,7 @@ def run_page(run_id: str, db: DbDep, settings: SettingsDep) -> HTMLResponse:
     found = _findings(db, run_id, view)
     return _page(
         "run.html",
+        recent=th.recent_label(settings.recent_steps),
         findings=[
             {**f, "anchor": f"chart-{f['chart']}" if f["chart"] in figures else None}
             for f in (found or {}).get("findings", [])
@@ -350,7 +352,8 @@ def run_figures(
 def _summaries(db: Any, settings: Any, ids: list[str]) -> tuple[list[Any], list[str]]:
     found, missing = [], []
     for rid in ids:
-        got = page_queries.run_summary(db=db, run_id=rid, stalled_after_s=settings.stalled_after_s)
+        got = page_queries.run_summary(db=db, run_id=rid, window=settings.recent_steps,
+                                       stalled_after_s=settings.stalled_after_s)  # fmt: skip
         if got is None:
             missing.append(rid)
         else:
@@ -383,6 +386,7 @@ def compare_page(
     ]
     return _page(
         "compare.html",
+        recent=th.recent_label(settings.recent_steps),
         nav="compare",
         runs=rows,
         missing=missing,

@@ -240,6 +240,13 @@ def _summary_table(compare: dict[str, Any], runs: list[StageRun]) -> Table:
             ratio,
             fmt_bytes(sum(comm.values()) if comm else None),
         )
+    windows = {tuple(r.get("window") or ()) for r in by_id.values()} - {(), (None, None)}
+    if windows:  # what "step time" is, as the runs list, run and compare pages say it
+        n = max(b - a + 1 for a, b in windows)
+        table.caption = (
+            f"step time, samples/s: median over each run's newest {n} steps of "
+            "each step's median rank (the job's samples/s), as on the pages"
+        )
     return table
 
 

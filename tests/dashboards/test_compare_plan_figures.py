@@ -186,6 +186,7 @@ def test_compare_page_renders_the_differences_line_escaped():
                                               "model_state_theory_bytes": None, "comm_bytes": None,
                                               "step_time_s": None, "samples_per_s": None}
                                              for r in runs],
-                       missing=[], charts=[], figures={}, nav="compare")  # fmt: skip
+                       missing=[], charts=[], figures={}, nav="compare",
+                       recent="median over the newest 20 steps")  # fmt: skip
     assert "Same model, different ZeRO stages" not in page
     assert 'id="compare-differs">What differs: precision (&lt;b&gt;x&lt;/b&gt;, bf16).' in page

@@ -1,0 +1,63 @@
+"""One definition of a run's step time and samples/s, named on every surface: the run
+resource and the runs list (the API), the runs list page, the run page's tiles, the compare
+page and its API, and the demo's summary show the same number, over the same window.
+
+A run whose steps got 3x slower at step 60 of 100: the newest 20 steps and the newest 100
+give different medians, and the surfaces disagreed (the compare page and the demo summary
+read the newest 100, the runs list and the run page the newest 20)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from fastapi.testclient import TestClient
+from markupsafe import escape
+from zerowatch.dashboards import theme as th
+from zerowatch.server import store
+from zerowatch.server.app import create_app
+from zerowatch.server.settings import Settings
+
+from zerowatch import events as ev
+from zerowatch import simulate as sim
+
+
+def test_step_time_is_one_figure_on_every_surface_and_says_what_it_is(tmp_path):
+    from zerowatch.demo import _summary_table
+
+    app = create_app(Settings(db_url=f"sqlite:///{tmp_path / 'z.db'}", stalled_after_s=3600))
+    spec = sim.SimSpec(name="slower", stage=2, world_size=4, step_time_s=0.1,
+                       regress_at=60, regress_factor=3.0)  # fmt: skip
+    rc = sim.run_create(spec)
+    store.create_run(app.state.db, run=rc)
+    events = [e for step in sim.steps(spec, 100) for e in step]
+    store.ingest_batch(app.state.db, run_id=rc.run_id,
+                       batch=ev.EventBatch(run_id=rc.run_id, events=events))  # fmt: skip
+    rid = rc.run_id
+    with TestClient(app) as c:
+        api = c.get(f"/api/v1/runs/{rid}").json()
+        listed = c.get("/api/v1/runs").json()["runs"][0]
+        compared = c.get("/api/v1/compare", params={"runs": rid}).json()
+        step = api["step_time_s"]
+        assert step is not None and step > 0.2  # the newest steps: after the slowdown
+        assert listed["step_time_s"] == step
+        assert compared["runs"][0]["step_time_s"] == step
+        assert listed["samples_per_s"] == api["samples_per_s"]
+        assert compared["runs"][0]["samples_per_s"] == api["samples_per_s"]
+        assert compared["runs"][0]["window"] == [80, 99]  # the server's recent_steps, 20
+
+        shown = th.fmt_seconds(step)
+        label = str(escape(th.recent_label(20)))  # as the pages write it
+        runs_page = c.get("/").text
+        assert shown in runs_page and f'title="{label}"' in runs_page
+        run_page = c.get(f"/runs/{rid}").text
+        tile = re.search(r'id="stat-step-time">([^<]*)<', run_page)
+        assert tile is not None and tile.group(1) == shown and label in run_page
+        compare_page = c.get("/compare", params={"runs": rid}).text
+        assert shown in compare_page and f'title="{label}"' in compare_page
+
+        table = _summary_table(compared, [dataclasses.make_dataclass(
+            "StageRun", ["stage", "run_id"])(2, rid)])  # fmt: skip
+        cells = [str(cell) for col in table.columns for cell in col._cells]
+        assert f"{step * 1000:.1f} ms" in cells
+        assert "newest 20 steps" in str(table.caption)
