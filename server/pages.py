@@ -33,6 +33,7 @@ from zerowatch.dashboards.data import RunView, Series
 from zerowatch.server import page_queries, rank_pages, read
 from zerowatch.server.deps import DbDep, SettingsDep, require_read
 from zerowatch.server.read import doctor, jobs
+from zerowatch.server.read.doctor_settings import DoctorSettings
 
 from zerowatch import plan as planner
 
@@ -180,6 +181,10 @@ def _page_link(project: str | None, status: str | None, tag: str | None, page: i
 def _summary(view: RunView) -> dict[str, str]:
     run = view.run
     found = view.straggler
+    # A straggler where the doctor's straggler finding would name one (busy time above its
+    # straggler_ratio of the median rank's), not any rank above the median.
+    if found is not None and found.excess <= DoctorSettings().straggler_ratio - 1:
+        found = None
     share = view.exposed_share
     return {
         "steps": str(view.last_step + 1 if view.last_step >= 0 else 0),

@@ -61,3 +61,27 @@ def test_step_time_is_one_figure_on_every_surface_and_says_what_it_is(tmp_path):
         cells = [str(cell) for col in table.columns for cell in col._cells]
         assert f"{step * 1000:.1f} ms" in cells
         assert "newest 20 steps" in str(table.caption)
+
+
+def test_the_straggler_tile_names_a_rank_only_where_the_doctor_would(tmp_path):
+    """A rank 10% slower than the median is no straggler to the doctor (its line: 20%):
+    the tile said "rank 1 (+10%)" beside findings that named none."""
+    app = create_app(Settings(db_url=f"sqlite:///{tmp_path / 'z.db'}", stalled_after_s=3600))
+    ids = {}
+    for factor in (1.1, 1.5):
+        spec = sim.SimSpec(name=f"x{factor}", stage=2, world_size=4, straggler_rank=1,
+                           straggler_factor=factor, seed=int(factor * 10))  # fmt: skip
+        rc = sim.run_create(spec)
+        store.create_run(app.state.db, run=rc)
+        events = [e for step in sim.steps(spec, 30) for e in step]
+        store.ingest_batch(app.state.db, run_id=rc.run_id,
+                           batch=ev.EventBatch(run_id=rc.run_id, events=events))  # fmt: skip
+        ids[factor] = rc.run_id
+    with TestClient(app) as c:
+        tiles = {}
+        for factor, rid in ids.items():
+            page = c.get(f"/runs/{rid}").text
+            tiles[factor] = re.search(r'id="stat-straggler">([^<]*)<', page).group(1)  # type: ignore[union-attr]
+            kinds = {f["kind"] for f in c.get(f"/api/v1/runs/{rid}/findings").json()["findings"]}
+            assert (tiles[factor] != "none") == ("straggler" in kinds), (factor, tiles, kinds)
+        assert tiles[1.1] == "none" and tiles[1.5].startswith("rank 1 (+")
