@@ -185,7 +185,10 @@ def _summary(view: RunView) -> dict[str, str]:
     # straggler_ratio of the median rank's), not any rank above the median.
     if found is not None and found.excess <= DoctorSettings().straggler_ratio - 1:
         found = None
-    share = view.exposed_share
+    # Over the same steps as the step-time tile (the run's recent figures), the median rank.
+    rec = run.get("recent") or {}
+    exposed, step = rec.get("exposed_comm_s"), rec.get("step_time_s")
+    share = exposed / step if exposed is not None and step else None
     return {
         "steps": str(view.last_step + 1 if view.last_step >= 0 else 0),
         "step-time": th.fmt_seconds(run.get("step_time_s")),

@@ -399,9 +399,9 @@ def exposed_communication(e: Evidence, s: DoctorSettings) -> list[Finding]:
             severity="warning" if share >= s.exposed_comm_share else "info",
             steps=e.window,
             message=f"{_pct(share)} of the step ({fmt_seconds(exposed)} of "
-            f"{fmt_seconds(step)}) is communication that compute does not hide"
-            + (f", most of it in {top[0]}" if top else "")
-            + ".",
+            f"{fmt_seconds(step)}: medians of steps {e.window[0]:,}–{e.window[1]:,}, the "
+            "exposed time of the rank that waits least) is communication that compute does "
+            "not hide" + (f", most of it in {top[0]}" if top else "") + ".",
             suggestion=_sentence("; ".join(tips)),
             evidence={
                 "share": share,
@@ -796,6 +796,11 @@ def stage_choice(e: Evidence, s: DoctorSettings) -> list[Finding]:
                  and m.peak_bytes >= s.memory_headroom_share * m.capacity_bytes)  # fmt: skip
     fitting = [p for p in preds if p.fits is not False]
     now = predict.uncontended(m).step_time_s
+    # Which figure "now" is: the window's median step, less what other processes took of
+    # the host where they did (the figure the predictions are against).
+    now_text = (f"now {fmt_seconds(now)} a step: the median of steps {e.window[0]:,}–"
+                f"{e.window[1]:,}" + (", with the host to itself" if now < m.step_time_s * 0.995
+                                      else ""))  # fmt: skip
     fast = [p for p in fitting if p.step_time_s < (1 - s.stage_choice_min_gain) * now]
     candidates = {"candidates": [p.to_dict(m) for p in sorted(preds, key=lambda p: p.step_time_s)]}
     # Offload frees device memory for host memory: nothing on a CPU run, and not asked for
@@ -807,7 +812,7 @@ def stage_choice(e: Evidence, s: DoctorSettings) -> list[Finding]:
     if fast and not short:
         best = min(fast, key=lambda p: p.step_time_s)
         what = (f"is predicted {_pct(1 - best.step_time_s / now)} faster: "
-                f"{fmt_seconds(best.step_time_s)} a step (now {fmt_seconds(now)}), "
+                f"{fmt_seconds(best.step_time_s)} a step ({now_text}), "
                 f"{fmt_bytes(best.model_state_bytes)} of model state per rank (now "
                 f"{fmt_bytes(m.model_state_bytes)})")  # fmt: skip
     elif not lean and not short:
@@ -821,7 +826,7 @@ def stage_choice(e: Evidence, s: DoctorSettings) -> list[Finding]:
                 severity="info",
                 steps=e.window,
                 message=f"No layout or bucket size is predicted {_pct(s.stage_choice_min_gain)} "
-                f"faster (now {fmt_seconds(now)} a step), and none frees model state without "
+                f"faster ({now_text}), and none frees model state without "
                 f"offload; {why}.",
                 suggestion="Keep this layout; evidence.candidates holds every other one's "
                 "prediction.",
@@ -838,8 +843,7 @@ def stage_choice(e: Evidence, s: DoctorSettings) -> list[Finding]:
         best = (min(lean, key=lambda p: (p.step_time_s, p.model_state_bytes)) if short
                 else min(lean, key=lambda p: (p.model_state_bytes, p.step_time_s)))  # fmt: skip
         what = (f"frees {fmt_bytes(m.model_state_bytes - best.model_state_bytes)} per rank at a "
-                f"predicted step time of {fmt_seconds(best.step_time_s)} (now "
-                f"{fmt_seconds(now)})")  # fmt: skip
+                f"predicted step time of {fmt_seconds(best.step_time_s)} ({now_text})")  # fmt: skip
     fits = {True: "fits", None: "device capacity unknown"}.get(best.fits, "does not fit")
     c = predict.contention(m)
     shared = (f" This run's steps took {c:.2f}x the CPU time its threads used outside the "

@@ -53,6 +53,11 @@ def test_step_time_is_one_figure_on_every_surface_and_says_what_it_is(tmp_path):
         run_page = c.get(f"/runs/{rid}").text
         tile = re.search(r'id="stat-step-time">([^<]*)<', run_page)
         assert tile is not None and tile.group(1) == shown and label in run_page
+        # The exposed share over the same steps, the median rank (the API's recent figures).
+        rec = api["recent"]
+        exposed = re.search(r'id="stat-exposed">([^<]*)<', run_page)
+        assert exposed is not None
+        assert exposed.group(1) == f"{rec['exposed_comm_s'] / rec['step_time_s']:.0%}"
         compare_page = c.get("/compare", params={"runs": rid}).text
         assert shown in compare_page and f'title="{label}"' in compare_page
 
