@@ -1,6 +1,7 @@
 """The package as a training node gets it: a wheel built from the tree holds every part (the
-agent, the server's pages, plotly.js, migrations and alert rules), and the agent trains and
-spools from that wheel alone with none of the server's dependencies importable."""
+agent, the server's pages, plotly.js, migrations and alert rules); a 2-rank job under
+torchrun trains and spools from that wheel alone with none of the server's dependencies
+importable, and the spool is uploaded to a server from the development install."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import textwrap
 import zipfile
 from pathlib import Path
 
+import httpx
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -19,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVER_ONLY = ("fastapi", "starlette", "sqlalchemy", "alembic", "uvicorn", "plotly", "pydantic",
                "msgspec", "jinja2", "psycopg", "prometheus_client")  # fmt: skip
 
-AGENT_ONLY = textwrap.dedent(
+#: Put in every Python process of the job (sitecustomize, on PYTHONPATH): the server's
+#: packages cannot be imported.
+BLOCKER = textwrap.dedent(
     """
     import importlib.abc, sys
     class Block(importlib.abc.MetaPathFinder):
@@ -27,6 +31,11 @@ AGENT_ONLY = textwrap.dedent(
             if name.split(".")[0] in SERVER_ONLY:
                 raise ImportError(f"{name} is a server dependency")
     sys.meta_path.insert(0, Block())
+    """
+)
+AGENT_ONLY = textwrap.dedent(
+    """
+    import sys
     import zerowatch
     from zerowatch.examples.gpt import GPT, GPTConfig, random_batch
     assert zerowatch.__file__.startswith(sys.argv[2]), zerowatch.__file__
@@ -34,12 +43,14 @@ AGENT_ONLY = textwrap.dedent(
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     engine, *_ = zerowatch.initialize(model=GPT(cfg), config=config)
-    with zerowatch.instrument(engine, spool_dir=sys.argv[1]) as run:
+    with zerowatch.instrument(engine, spool_dir=sys.argv[1], run="wheel") as run:
         for s in range(3):
             x, y = random_batch(cfg, 2, seed=s)
             engine.backward(engine(x, y))
             engine.step()
-    print("steps", run.stats["steps"], "spooled", run.stats["spooled"])
+    blocked = sorted(m for m in sys.modules if m.split(".")[0] in SERVER_ONLY)
+    print("rank", engine.rank, "steps", run.stats["steps"], "spooled", run.stats["spooled"],
+          "run", run.id, "server modules", blocked)
     """
 )
 
@@ -60,11 +71,31 @@ def test_the_wheel_holds_every_part_and_its_agent_needs_no_server_dependency(tmp
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
                     str(site), str(wheel)], check=True, timeout=300)  # fmt: skip
+    (site / "sitecustomize.py").write_text(f"SERVER_ONLY = {SERVER_ONLY!r}\n" + BLOCKER)
     script = tmp_path / "agent_only.py"
     script.write_text(f"SERVER_ONLY = {SERVER_ONLY!r}\n" + AGENT_ONLY)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROWATCH_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZEROWATCH_", "TORCHELASTIC"))}
     env["PYTHONPATH"] = str(site)
-    out = subprocess.run([sys.executable, "-P", str(script), str(tmp_path / "spool"), str(site)],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+    spool = tmp_path / "spool"
+    out = subprocess.run(
+        [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", str(script), str(spool), str(site)],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "steps 3 spooled 4" in out.stdout
+    lines = [x for x in out.stdout.splitlines() if x.startswith("rank ")]
+    assert len(lines) == 2 and all("steps 3 spooled 4" in x and "server modules []" in x
+                                   for x in lines), out.stdout  # fmt: skip
+    run_id = lines[0].split(" run ")[1].split()[0]
+
+    # Uploaded from the development install (the server's side).
+    from support.live_server import LiveServer
+
+    with LiveServer() as server:
+        up = subprocess.run([sys.executable, "-P", "-m", "zerowatch.cli", "upload",
+                             str(spool / run_id), "--server", server.url],
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert up.returncode == 0, up.stderr[-2000:]
+        got = httpx.get(f"{server.api}/runs/{run_id}", timeout=10).json()
+        assert got["world_size"] == 2 and got["status"] == "finished"
+        assert sorted((r["rank"], r["steps"]) for r in got["ranks"]) == [(0, 3), (1, 3)]
