@@ -28,7 +28,6 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -46,17 +45,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from faults import MB, Workers, pct, proc_status  # noqa: E402
+from support.ports import free_port  # noqa: E402
 from support.sim_agents import run_create_json  # noqa: E402
 
 from zerowatch import simulate  # noqa: E402
 
 TOKEN = "bench-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- the hostile clients (their own process) --------------------------------------------------

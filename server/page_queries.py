@@ -68,25 +68,20 @@ def sample_steps(first: int, last: int, n: int) -> list[int]:
     return sorted({first + round(i * (span - 1) / (n - 1)) for i in range(n)})
 
 
-def _p50(per_step: dict[int, Stats], steps: list[int]) -> Series:
-    xs = [s for s in steps if s in per_step]
-    return Series(xs, [per_step[s].p50 for s in xs])
+def _p50(per_step: dict[int, Stats], steps: list[int], *, gaps: bool = False) -> Series:
+    """The median over ranks at the sampled steps that have a rollup; `gaps`: at every
+    sampled step, None where it has none (a line breaks there instead of drawing across)."""
+    return _stat(per_step, steps, "p50", gaps)
 
 
-def _p50_gaps(per_step: dict[int, Stats], steps: list[int]) -> Series:
-    """The median at every sampled step, None where the step has no rollup: a line breaks
-    there instead of drawing across steps it does not have."""
-    return Series(steps, [per_step[s].p50 if s in per_step else None for s in steps])
+def _mean(per_step: dict[int, Stats], steps: list[int], *, gaps: bool = False) -> Series:
+    """The mean over ranks, as `_p50`."""
+    return _stat(per_step, steps, "mean", gaps)
 
 
-def _mean(per_step: dict[int, Stats], steps: list[int]) -> Series:
-    xs = [s for s in steps if s in per_step]
-    return Series(xs, [per_step[s].mean for s in xs])
-
-
-def _mean_gaps(per_step: dict[int, Stats], steps: list[int]) -> Series:
-    """The mean at every sampled step, None where the step has no rollup (`_p50_gaps`)."""
-    return Series(steps, [per_step[s].mean if s in per_step else None for s in steps])
+def _stat(per_step: dict[int, Stats], steps: list[int], stat: str, gaps: bool) -> Series:
+    xs = steps if gaps else [s for s in steps if s in per_step]
+    return Series(xs, [getattr(per_step[s], stat) if s in per_step else None for s in xs])
 
 
 def run_view(
@@ -125,16 +120,16 @@ def run_view(
     st = view.steps
     lines = sorted({*st, *view.missing_steps})
     none: dict[int, Stats] = {}
-    view.step_time = _p50_gaps(got.get("step_time_s", none), lines)
-    view.exposed_comm = _p50_gaps(got.get("exposed_comm_s", none), lines)
+    view.step_time = _p50(got.get("step_time_s", none), lines, gaps=True)
+    view.exposed_comm = _p50(got.get("exposed_comm_s", none), lines, gaps=True)
     # (Stacked areas would fall to zero at a gap: they keep the steps they have.)
     view.phases = {p: _p50(got[f"phase.{p}"], st) for p in ev.PHASES if got.get(f"phase.{p}")}
     # The stack of exclusive parts: means over ranks, which add up to the mean step time.
     view.parts = {p: _mean(got[f"part.{p}"], st) for p in ev.STEP_PARTS
                   if got.get(f"part.{p}")}  # fmt: skip
     if view.parts:  # (the stack keeps the steps it has; the lines beside it show the gaps)
-        view.step_time_mean = _mean_gaps(got.get("step_time_s", none), lines)
-        view.hidden_comm = _mean_gaps(got.get("hidden_comm_s", none), lines)
+        view.step_time_mean = _mean(got.get("step_time_s", none), lines, gaps=True)
+        view.hidden_comm = _mean(got.get("hidden_comm_s", none), lines, gaps=True)
     view.offload = {d: _p50(got[f"offload.{d}.bandwidth"], st) for d in ("d2h", "h2d")
                     if got.get(f"offload.{d}.bandwidth")}  # fmt: skip
     for name in SPREAD:
