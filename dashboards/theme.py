@@ -115,14 +115,17 @@ CAPACITY_COLOR = "#C0392B"
 FONT = "Inter, -apple-system, 'Segoe UI', Roboto, Helvetica, Arial, sans-serif"
 
 
+def recent_stat(steps: int) -> str:
+    """The statistic of a run's recent step time, as every surface names it (the pages'
+    hints, the doctor's findings, `zerowatch doctor`): server/read/runs.py `recent`."""
+    return f"median over the run's newest {steps} steps of each step's median rank"
+
+
 def recent_label(steps: int) -> str:
     """What a run's recent step time and samples/s are, as every page names them: the
     server's one definition (server/read/runs.py `recent`, read/compare.py with the same
     window)."""
-    return (
-        f"median over the run's newest {steps} steps of each step's median rank "
-        "(samples/s: of the whole job's)"
-    )
+    return f"{recent_stat(steps)} (samples/s: of the whole job's)"
 
 
 def color_for(index: int) -> str:
