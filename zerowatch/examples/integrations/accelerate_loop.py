@@ -12,15 +12,17 @@ is the `zerowatch.instrument(accelerator)` line and `zw.log` in the loop.
 
 from __future__ import annotations
 
-import argparse
-import os
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 
 import zerowatch
-from zerowatch.examples.integrations.hf_trainer import RandomTokens, tiny_gpt2
+from zerowatch.examples.integrations.hf_trainer import (
+    RandomTokens,
+    run_from_command_line,
+    tiny_gpt2,
+)
 
 STRATEGIES = ("ddp", "fsdp2", "deepspeed-zero2")
 
@@ -85,12 +87,7 @@ def train(strategy: str, *, steps: int = 10, server: str | None = None,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", choices=STRATEGIES, default="ddp")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--server", default=os.environ.get("ZEROWATCH_SERVER"))
-    a = parser.parse_args()
-    train(a.strategy, steps=a.steps, server=a.server)
+    run_from_command_line(__doc__ or "", STRATEGIES, train)
 
 
 if __name__ == "__main__":

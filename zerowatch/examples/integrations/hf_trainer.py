@@ -96,13 +96,19 @@ def train(strategy: str, *, steps: int = 10, server: str | None = None,
     return trainer
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", choices=STRATEGIES, default="ddp")
+def run_from_command_line(doc: str, strategies: tuple[str, ...], train: Any) -> None:
+    """`train(strategy, steps=, server=)` with `--strategy`, `--steps` and `--server` from the
+    command line (every example's `main`)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--strategy", choices=strategies, default="ddp")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--server", default=os.environ.get("ZEROWATCH_SERVER"))
     a = parser.parse_args()
     train(a.strategy, steps=a.steps, server=a.server)
+
+
+def main() -> None:
+    run_from_command_line(__doc__ or "", STRATEGIES, train)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,17 @@ ZeRO-2: it needs CUDA GPUs). The zerowatch part is `callbacks=[ZeroWatchCallback
 
 from __future__ import annotations
 
-import argparse
 import os
 from typing import Any
 
 import lightning as L
 import torch
 
-from zerowatch.examples.integrations.hf_trainer import RandomTokens, tiny_gpt2
+from zerowatch.examples.integrations.hf_trainer import (
+    RandomTokens,
+    run_from_command_line,
+    tiny_gpt2,
+)
 from zerowatch.integrations.lightning import ZeroWatchCallback
 
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
@@ -79,12 +82,7 @@ def train(strategy: str, *, steps: int = 10, server: str | None = None,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", choices=STRATEGIES, default="ddp")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--server", default=os.environ.get("ZEROWATCH_SERVER"))
-    a = parser.parse_args()
-    train(a.strategy, steps=a.steps, server=a.server)
+    run_from_command_line(__doc__ or "", STRATEGIES, train)
 
 
 if __name__ == "__main__":
