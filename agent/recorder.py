@@ -27,11 +27,18 @@ whose cores both share (docs/doctor.md).
 
 Why the assembly runs on the shipper thread: between the engine's kernels, which evict the
 CPU's caches, the same work costs the training thread two to three times what it costs
-warm. On the host clock the training thread's share of a step's end is therefore only to
-take the step's phase boundaries and collective records out of the probes (two list
-slices); pairing the boundaries, folding the records and building the event happen on the
-shipper, for all the steps of a flush interval one after another. On CUDA the boundaries
-are paired at the step's end as before (their readiness is checked on the training thread).
+warm. The training thread's share of a step's end is therefore only to take the step's
+phase log and collective records out of the probes (each list handed over whole, a new one
+in its place); pairing the boundaries, folding the records and building the event happen
+on the shipper, for all the steps of a flush interval one after another, the same on both
+clocks. The training thread only asks whether a waiting step's timings are known (the
+clock: at once on the host, its CUDA events on a GPU).
+
+The callbacks the engine calls most are small: a nested phase's boundary is a dict lookup
+and two appends to the phase log (`_Boundary`; the clock's mark: the time itself on the
+host, a pooled CUDA event recorded on a GPU), a collective one append and the flight
+recorder's store. `step` and the top-level phases take the long way (`_other_phase_*`),
+which also reads memory, only on the steps that read it (`_route_top_level`).
 
 Every engine callback is guarded: an error is counted and logged once, never raised into
 the engine (which would count it too, but training must not even notice).
@@ -45,7 +52,6 @@ import socket
 import sys
 import threading
 import time
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -148,8 +154,7 @@ class StepDraft:
     """One ended step whose event is not out yet."""
 
     step: int
-    start: Any
-    end: Any
+    #: The step's phase boundaries, with its first and last clock marks.
     phases: PhaseWindow
     collectives: CollectiveWindow
     offload: OffloadWindow
@@ -168,9 +173,9 @@ class StepDraft:
     #: flagged one: agent/forensics.py); None.
     forward_module: str | None = None
 
-    def ready(self, clock: Clock) -> bool:
-        return (clock.ready(self.end) and self.phases.ready() and self.collectives.ready()
-                and self.offload.ready())  # fmt: skip
+    def ready(self) -> bool:
+        """Whether the step's timings are known (on the host clock: when it ended)."""
+        return self.phases.ready() and self.collectives.ready() and self.offload.ready()
 
 
 class StepRecorder:
@@ -208,11 +213,9 @@ class StepRecorder:
         self._step_stats_later: Callable[[], StepStats | Callable[[], StepStats]] | None = getattr(
             adapter, "step_stats_later", None
         )
-        #: Host clock: a step's boundaries and collectives are paired and folded when its
-        #: event is built (on the shipper thread), not at its end on the training thread.
-        self._later = isinstance(clock, HostClock)
-        #: The step's CPU clocks are read where the training thread is the compute.
-        self._cpu_clocks = self._later and _compute_in_one_thread()
+        #: The step's CPU clocks are read where the training thread is the compute (on the
+        #: host clock: on a GPU the device computes).
+        self._cpu_clocks = isinstance(clock, HostClock) and _compute_in_one_thread()
         self._cpu_start: tuple[float, float] | None = None
         self._collectives = CollectiveAggregator(config.max_spans_per_step)
         self._offload = OffloadProbe(config.max_spans_per_step)
@@ -255,105 +258,28 @@ class StepRecorder:
 
     # -- engine callbacks (training thread; collectives maybe another) -----------------
 
-    #: The engine's callbacks: closures made once (`_make_callbacks`), so that the many
-    #: nested boundaries (param_gather, grad_reduce, offload copies) and the collectives
-    #: cost one dict subscript and two list appends, or one append, each (the interpreter's
-    #: own, inlined: no call), with no attribute lookup and no allocation.
-    on_phase_start: Callable[[str, float], None]
-    on_phase_end: Callable[[str, float], None]
-    on_collective: Callable[[Any], None]
-
     def _make_callbacks(self) -> None:
-        timer = self._timer
-        mark, codes = self._clock.mark, timer.codes
-        # Nested phases -> their boundary code; `step` and the top-level phases -> -1 (the
-        # long way: step assembly, memory readings); a name not seen yet raises KeyError.
-        start_codes = {n: -1 if n in _STEP_OR_TOP else c for n, c in codes.start.items()}
-        end_codes = {n: -1 if n in _STEP_OR_TOP else c for n, c in codes.end.items()}
+        """The phase-boundary callbacks: a nested phase's boundary goes straight to the
+        phase log (`_Boundary`); `step` and the top-level phases take the long way
+        (`_other_phase_*`: step assembly, memory readings) unless `_route_top_level` sends
+        them the short way on steps that read no memory."""
+        codes = self._timer.codes
+        self._starts = _Boundary(dict(codes.start), self._timer, self._other_phase_start,
+                                 self._health, "start")  # fmt: skip
+        self._ends = _Boundary(dict(codes.end), self._timer, self._other_phase_end,
+                               self._health, "end")  # fmt: skip
         for name in _STEP_OR_TOP:
-            start_codes[name] = end_codes[name] = -1
-        other_start, other_end = self._other_phase_start, self._other_phase_end
-
-        # What a callback uses comes in as default arguments, not closure cells: a call
-        # copies a closure's every cell into its frame, used or not (a cache miss each
-        # between the engine's kernels), and a default only for the arguments left out.
-        # `rebind` puts the new lists in the defaults.
-        if mark is float:  # HostClock: the mark is the time itself
-
-            def on_boundary(phase: str, t: float, codes_of: dict[str, int] = start_codes,
-                            log: list[Any] = timer.log,
-                            other: Callable[[str, float], None] = other_start) -> None:  # fmt: skip
-                try:
-                    code = codes_of[phase]
-                except KeyError:
-                    code = -1
-                if code < 0:
-                    other(phase, t)
-                    return
-                try:
-                    log.append(code)
-                    log.append(t)
-                except Exception as e:
-                    _boundary_failed(other, phase, e)
-
-            on_phase_start = _copy_function(on_boundary, (start_codes, timer.log, other_start))
-            on_phase_end = _copy_function(on_boundary, (end_codes, timer.log, other_end))
-        else:
-
-            def on_device_boundary(phase: str, t: float, codes_of: dict[str, int] = start_codes,
-                                   log: list[Any] = timer.log,
-                                   other: Callable[[str, float], None] = other_start,
-                                   mark: Callable[[float], Any] = mark) -> None:  # fmt: skip
-                try:
-                    code = codes_of[phase]
-                except KeyError:
-                    code = -1
-                if code < 0:
-                    other(phase, t)
-                    return
-                try:
-                    log.append(code)
-                    log.append(mark(t))
-                except Exception as e:
-                    _boundary_failed(other, phase, e)
-
-            on_phase_start = _copy_function(
-                on_device_boundary, (start_codes, timer.log, other_start, mark)
-            )
-            on_phase_end = _copy_function(
-                on_device_boundary, (end_codes, timer.log, other_end, mark)
-            )
-
-        collectives = self._collectives
-
-        rings = self.flight.rings
-
-        def on_collective(record: Any, pending: list[Any] = collectives.pending,
-                          rings: dict[str, Any] = rings) -> None:  # fmt: skip
-            # One append: the aggregator's bound on a long step is checked on the shipper
-            # thread (`tidy`), not here. The flight recorder's group counts it completed
-            # (inlined: `FlightRecorder.on_collective` is the same, a call frame less).
-            pending.append(record)
-            ring = rings.get(record.group)
-            if ring is not None and record.seq > ring.completed:
-                ring.completed = record.seq
-
-        def rebind() -> None:
-            """Point the callbacks at the probes' lists again: taking a step on the host
-            clock hands the lists over whole and puts new ones in their place."""
-            log = timer.log
-            defaults = on_phase_start.__defaults__ or ()
-            on_phase_start.__defaults__ = (defaults[0], log, *defaults[2:])
-            defaults = on_phase_end.__defaults__ or ()
-            on_phase_end.__defaults__ = (defaults[0], log, *defaults[2:])
-            on_collective.__defaults__ = (collectives.pending, rings)
-
-        self.on_phase_start = on_phase_start
-        self.on_phase_end = on_phase_end
-        self.on_collective = on_collective
-        self._rebind_lists = rebind
-        self._routes = (start_codes, end_codes, codes)
+            self._starts.codes[name] = self._ends.codes[name] = -1
         self._long_way = True  # (the top-level phases' route now)
+        self.on_phase_start = self._starts.boundary
+        self.on_phase_end = self._ends.boundary
+
+    def on_collective(self, record: Any) -> None:
+        """A collective completed (any thread): kept for the step's window (one append:
+        the bound on a long step is kept on the shipper thread, `tidy`) and counted
+        completed by the flight recorder."""
+        self._collectives.record(record)
+        self.flight.on_collective(record)
 
     def set_clock_offset(self, offset_s: float) -> None:
         """This host's clock minus rank 0's (`zerowatch.clocks`): every time sent from now
@@ -368,12 +294,13 @@ class StepRecorder:
         step that ended `_OPEN_DRAFT_S` ago and whose next step has not begun (a rank
         stuck in its data loader) is sent without waiting for that start."""
         self._collectives.fold_if_full()
-        if self._open is None or not self._later:
+        if self._open is None:
             return
         with self._lock:
             draft = self._open
             if (draft is None or self._waiting
-                    or time.perf_counter() - self._open_at < _OPEN_DRAFT_S):  # fmt: skip
+                    or time.perf_counter() - self._open_at < _OPEN_DRAFT_S
+                    or not draft.ready()):  # fmt: skip
                 return
             self._open = None
             self._emit_one(draft)
@@ -383,9 +310,9 @@ class StepRecorder:
         boundary logged last), "step" inside a step between phases, "between_steps"."""
         if self._step_start is None:
             return "between_steps"
-        log, base = self._timer.log, self._timer.base
+        log = self._timer.log
         try:
-            if len(log) >= base + 2:
+            if len(log) >= 2:
                 code = log[-2]
                 if isinstance(code, int) and code % 2 == 0:
                     return str(self._timer.codes.names[code // 2])
@@ -414,10 +341,10 @@ class StepRecorder:
         if long_way == self._long_way:
             return
         self._long_way = long_way
-        start_codes, end_codes, codes = self._routes
+        codes = self._timer.codes
         for name in TOP_LEVEL:
-            start_codes[name] = -1 if long_way else codes.start[name]
-            end_codes[name] = -1 if long_way else codes.end[name]
+            self._starts.codes[name] = -1 if long_way else codes.start[name]
+            self._ends.codes[name] = -1 if long_way else codes.end[name]
 
     def _other_phase_start(self, phase: str, t: float) -> None:
         """`step`, the top-level phases (their memory is read) and names not seen before."""
@@ -495,13 +422,9 @@ class StepRecorder:
     def _begin_step(self, t: float) -> None:
         with self._lock:
             draft, self._open = self._open, None
-        if draft is not None and self._later and not self._waiting:
-            # (The host clock's steps are ready when they end: the last one goes at once.)
-            self._emit_one(draft)
-        else:
-            if draft is not None:
-                self._waiting.append(draft)
-            self._emit_ready()
+        if draft is not None:
+            self._waiting.append(draft)
+        self._emit_ready()
         # Anything that ran between steps (checkpointing, evaluation) is not part of one.
         self._timer.reset()
         self._collectives.discard()
@@ -533,13 +456,8 @@ class StepRecorder:
         if began is not None:
             thread, process = time.thread_time() - began[0], time.process_time() - began[1]
             cpu, self._cpu_start = (thread, max(process - thread, 0.0)), None
-        if self._later:
-            phases = self._timer.take_later(self._step_start, end)
-            window = self._collectives.take_later()
-            self._rebind_lists()
-        else:
-            phases = self._timer.take(self._step_start, end)
-            window = self._collectives.take()
+        phases = self._timer.take(self._step_start, end)
+        window = self._collectives.take_later()
         offload, offload_spans = self._offload.take()
         n = self._step - self._job.global_step
         if n % self._cfg.memory_every == 0 or not self._model_state:
@@ -559,7 +477,7 @@ class StepRecorder:
                 self._trace_next = True
         with self._lock:
             draft = StepDraft(
-                step=self._step, start=self._step_start, end=end, phases=phases,
+                step=self._step, phases=phases,
                 collectives=window, offload=offload, offload_spans=offload_spans,
                 memory=memory, stats=stats, sampled=self._sampled, user=self._user, cpu=cpu,
                 unix_offset=self._unix_offset, forward_module=forward_module,
@@ -587,13 +505,14 @@ class StepRecorder:
     def _emit_ready(self, *, force: bool = False) -> None:
         if len(self._waiting) > _MAX_WAITING:  # a device that never finishes: stay bounded
             n = len(self._waiting) - _MAX_WAITING
+            for dropped in self._waiting[:n]:
+                dropped.phases.discard()
             del self._waiting[:n]
             self._health.drop(n, "step timings never completed on the device")
         while self._waiting:
             draft = self._waiting[0]
-            # (On the host clock a step's timings are known when it ends; asking its windows
-            # would pair and fold them here, on the training thread.)
-            if not force and not self._later and not draft.ready(self._clock):
+            # (Nothing is paired or folded here: a window only asks its clock and events.)
+            if not force and not draft.ready():
                 return
             self._waiting.pop(0)
             self._emit_one(draft)
@@ -605,13 +524,8 @@ class StepRecorder:
         self.steps_emitted += 1
 
     def _assemble(self, draft: StepDraft, seq: int) -> ev.StepEvent | None:
-        """The draft's StepEvent (on the shipper thread); None, counted, if it fails. The
-        probes' lists for a coming step are made here too (`probes/room.py`), off the
-        training thread."""
+        """The draft's StepEvent (on the shipper thread); None, counted, if it fails."""
         try:
-            if self._later:
-                self._timer.make_room()
-                self._collectives.make_room()
             return self._build(draft, seq)
         except Exception as e:
             self._health.error("assembling a step event", e)
@@ -624,7 +538,7 @@ class StepRecorder:
             if self._open is not None:
                 self._waiting.append(self._open)
                 self._open = None
-        if self._waiting and not all(d.ready(self._clock) for d in self._waiting):
+        if self._waiting and not all(d.ready() for d in self._waiting):
             try:
                 import torch
 
@@ -635,7 +549,7 @@ class StepRecorder:
 
     def _build(self, d: StepDraft, seq: int) -> ev.StepEvent:
         clock, job = self._clock, self._job
-        step_time = max(clock.seconds(d.start, d.end), 0.0)
+        step_time = d.phases.step_s
         phases = d.phases.totals()
         top = sum(phases.get(p, 0.0) for p in TOP_LEVEL)
         phases["other"] = max(step_time - top, 0.0)
@@ -648,8 +562,8 @@ class StepRecorder:
         stats = d.stats if isinstance(d.stats, StepStats) else d.stats()
         nonfinite = stats.nonfinite or user.loss_nonfinite
         grad_norm = user.grad_norm if user.grad_norm is not None else stats.grad_norm
-        start_unix = clock.host_time(d.start) + d.unix_offset
-        end_unix = clock.host_time(d.end) + d.unix_offset
+        start_unix = clock.host_time(d.phases.start) + d.unix_offset
+        end_unix = clock.host_time(d.phases.end) + d.unix_offset
         collectives = d.collectives.stats()
         exposed = d.collectives.exposed_s
         # The time some collective was running (concurrent ones counted once) beyond what the
@@ -664,7 +578,7 @@ class StepRecorder:
             phases=phases,
             collectives=collectives,
             exposed_comm_s=exposed,
-            parts=d.phases.parts(d.start, step_time),
+            parts=d.phases.parts(),
             hidden_comm_s=hidden,
             offload=d.offload.stats(),
             memory=d.memory,
@@ -730,19 +644,40 @@ def _hand_mfu(config: AgentConfig, job: JobInfo, health: AgentHealth) -> flops.M
                           flops_per_token=config.flops_per_token, warn_once=health.warn_once)  # fmt: skip
 
 
-def _copy_function(
-    fn: Callable[..., None], defaults: tuple[Any, ...]
-) -> Callable[[str, float], None]:
-    """`fn` again with other default arguments (one code, two callbacks)."""
-    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, defaults, fn.__closure__)
-    copy.__qualname__ = fn.__qualname__
-    return copy
+class _Boundary:
+    """The engine's phase-start (or phase-end) callback, `boundary`: a nested phase's
+    boundary is its code and its clock mark appended to the phase log (two appends, no
+    allocation on the host clock); `step`, names mapped to -1 (the top-level phases on
+    steps that read memory) and names not seen yet go to `long_way`. An error is counted,
+    never raised into the engine."""
 
+    __slots__ = ("codes", "health", "long_way", "mark", "timer", "what")
 
-def _boundary_failed(other: Any, phase: str, e: Exception) -> None:
-    """Count an error recording a boundary (`other` is the recorder's long way for it)."""
-    what = "start" if other.__name__ == "_other_phase_start" else "end"
-    other.__self__._health.error(f"recording the {what} of phase {phase!r}", e)
+    def __init__(self, codes: dict[str, int], timer: PhaseTimer,
+                 long_way: Callable[[str, float], None], health: AgentHealth,
+                 what: str) -> None:  # fmt: skip
+        #: Phase -> its boundary code, or -1 for the long way (the recorder reroutes).
+        self.codes = codes
+        self.timer = timer
+        self.mark = timer.clock.mark
+        self.long_way = long_way
+        self.health = health
+        self.what = what
+
+    def boundary(self, phase: str, t: float) -> None:
+        try:
+            code = self.codes[phase]
+        except KeyError:
+            code = -1
+        if code < 0:
+            self.long_way(phase, t)
+            return
+        try:
+            log = self.timer.log  # (another list after each step's end)
+            log.append(code)
+            log.append(self.mark(t))
+        except Exception as e:
+            self.health.error(f"recording the {self.what} of phase {phase!r}", e)
 
 
 def _compute_in_one_thread() -> bool:

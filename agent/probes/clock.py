@@ -1,25 +1,36 @@
 """Two clocks for timing phases: the host's perf_counter, or CUDA events read later.
 
-On CPU a phase's duration is known the moment it ends. On a GPU the host runs ahead of the
-device, so host timestamps would time the kernel launches, not the work; instead each mark
-records a CUDA event on the current stream, and the durations are read a step later, once
-the events have completed (`ready`), with `elapsed_time` — never a synchronize per op.
+A clock marks a boundary when it happens (`mark`) and later turns marks into durations
+(`ready`, then `seconds`), then takes the marks back (`release`). Everything that pairs
+boundaries into phases works on marks through this interface alone, so the host and the
+GPU differ here and nowhere else.
+
+On CPU a phase's duration is known the moment it ends: the mark is the time itself. On a
+GPU the host runs ahead of the device, so host timestamps would time the kernel launches,
+not the work; instead each mark records a CUDA event on the current stream, and the
+durations are read a step later, once the events have completed (`ready`), with
+`elapsed_time` — never a synchronize per op. Events come from a pool: a new event costs
+its creation at its first record, so the marks of a step whose durations were read go
+back to the pool (`release`) and the next steps record those again. The pool holds what
+the steps in flight use (about two steps' boundaries); an event is created only when it
+is empty.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 
 class Clock(Protocol):
-    """Marks points in time and turns pairs of marks into seconds."""
+    """Marks points in time and, once they are known, turns pairs of marks into seconds."""
 
     def mark(self, t: float) -> Any:
-        """A mark for host time `t` (perf_counter seconds)."""
+        """A mark for now, host time `t` (perf_counter seconds)."""
         ...
 
-    def ready(self, mark: Any) -> bool:
-        """Whether the mark's time is known yet."""
+    def ready(self, marks: Iterable[Any]) -> bool:
+        """Whether every mark's time is known yet (on the host: at once)."""
         ...
 
     def seconds(self, start: Any, end: Any) -> float:
@@ -30,14 +41,18 @@ class Clock(Protocol):
         """The host perf_counter time at which the mark was made."""
         ...
 
+    def release(self, marks: Iterable[Any]) -> None:
+        """Marks that will not be read again: what they hold may be reused."""
+        ...
+
 
 class HostClock:
-    """perf_counter marks; always ready."""
+    """perf_counter marks: the mark is the time; always ready, nothing to release."""
 
-    #: The mark is the time itself (`float`: a C call, no Python frame, on the hot path).
-    mark = staticmethod(float)
+    def mark(self, t: float) -> float:
+        return t
 
-    def ready(self, mark: Any) -> bool:
+    def ready(self, marks: Iterable[Any]) -> bool:
         return True
 
     def seconds(self, start: Any, end: Any) -> float:
@@ -46,14 +61,17 @@ class HostClock:
     def host_time(self, mark: Any) -> float:
         return float(mark)
 
+    def release(self, marks: Iterable[Any]) -> None:
+        pass
+
 
 class CudaClock:
-    """CUDA-event marks on the current stream, resolved when they have completed.
+    """CUDA-event marks `(host time, event)` on the current stream, resolved when their
+    events have completed; the events are pooled (see the module docstring).
 
-    A mark is on the hot path (every phase boundary). `torch.cuda.current_stream(device)`
-    builds a Python Stream object each call (3.6 us on an H100 host, more between the
-    kernels' cache misses), so the stream object is kept and rebuilt only when the
-    device's current stream (one C call's id) has changed, e.g. under `torch.cuda.stream`.
+    `torch.cuda.current_stream(device)` builds a Python Stream object each call (3.6 us on
+    an H100 host), so the stream object is kept and rebuilt only when the device's current
+    stream (one C call's id) has changed, e.g. under `torch.cuda.stream`.
     """
 
     def __init__(self, device: Any) -> None:
@@ -65,24 +83,37 @@ class CudaClock:
         self._current = torch._C._cuda_getCurrentStream
         self._key: Any = None
         self._stream: Any = None
+        #: Events whose last times were read. `pop` (the training thread) and `extend`
+        #: (whoever read them) are each atomic: no lock.
+        self._free: list[Any] = []
+        #: Events created so far (the pool's size).
+        self.created = 0
 
     def mark(self, t: float) -> tuple[float, Any]:
         key = self._current(self._index)
         if key != self._key:
             self._stream = self._torch.cuda.current_stream(self._index)
             self._key = key
-        event = self._torch.cuda.Event(enable_timing=True)
+        free = self._free
+        if free:
+            event = free.pop()
+        else:
+            event = self._torch.cuda.Event(enable_timing=True)
+            self.created += 1
         event.record(self._stream)
         return (t, event)
 
-    def ready(self, mark: Any) -> bool:
-        return bool(mark[1].query())
+    def ready(self, marks: Iterable[Any]) -> bool:
+        return all(mark[1].query() for mark in marks)
 
     def seconds(self, start: Any, end: Any) -> float:
         return float(start[1].elapsed_time(end[1])) / 1e3
 
     def host_time(self, mark: Any) -> float:
         return float(mark[0])
+
+    def release(self, marks: Iterable[Any]) -> None:
+        self._free.extend([mark[1] for mark in marks])
 
 
 __all__ = ["Clock", "CudaClock", "HostClock"]

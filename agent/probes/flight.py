@@ -12,11 +12,10 @@ out of step (a desync).
 
 Cost on the training thread: a launch is a dict lookup and one slot written in place (a
 list of five items made when the ring was: no allocation); a completion is a lookup and
-one store, the group's completed number (the recorder inlines it in its collective
-callback). A group's collectives complete in the order they were issued (one stream, one
-queue per group), so a call is completed when its seq is at most that number. The ring is
-read without a lock: a snapshot taken while a slot is rewritten sees one call or the next,
-and says which by its seq.
+one store, the group's completed number. A group's collectives complete in the order they
+were issued (one stream, one queue per group), so a call is completed when its seq is at
+most that number. The ring is read without a lock: a snapshot taken while a slot is
+rewritten sees one call or the next, and says which by its seq.
 """
 
 from __future__ import annotations

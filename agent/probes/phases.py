@@ -19,26 +19,31 @@ time the training thread spent blocked in a gather is `exposed_param_gather`, co
 
 Bookkeeping is by index. Every phase name has an index (`PhaseCodes`); a boundary is logged
 as two items appended to one flat list: its code (2·index for a start, 2·index + 1 for an
-end: a small int, which Python never allocates) and its clock mark (on the host, the float
-the engine passed). A callback therefore allocates nothing and touches the fewest objects,
-which is what it costs between the engine's kernels, which evict the CPU's caches.
-`take()` pairs the step's boundaries into intervals and lays out the edges of the outermost
-ones in the order they happened, so the exclusive parts are one sweep over them (`_sweep`,
-no sort) once their marks are known. On the host the marks are known at once: given the
-step's first and last marks, `take()` pairs and sums in one pass over the log (the marks
-are floats already) and sweeps the edges it laid out, the one cut of every path. The
-recorder does not even do that on the training thread: `take_later()` hands the step's log
-over (the list itself: a new one takes its place) and the window pairs it when it is first
-read, on the shipper thread, where the steps of a flush interval are assembled one after
-another (with warm caches).
+end: a small int, which Python never allocates) and its clock mark (`clock.py`: on the
+host the time itself, on a GPU a CUDA event). A callback therefore allocates nothing and
+touches the fewest objects, which is what it costs between the engine's kernels, which
+evict the CPU's caches.
+
+At a step's end the timer hands its log over whole (`PhaseTimer.take`: a new list takes
+its place) with the step's first and last marks, and nothing else happens on the training
+thread. The window is read once its clock says its marks are known (`ready`: on the host
+at once, on a GPU when the step's events have completed); the first read turns every
+mark into seconds from the step's start (`Clock.seconds`), gives the marks back to the
+clock (`Clock.release`) and pairs the boundaries in one pass (`_pair`, the one pairing of
+every clock): phases nested in themselves count once (the outer interval), an end without
+a start (attached mid-phase) and a start still open at the step's end are not timed. The
+same pass sums the phases and lays out the edges of the outermost intervals in the order
+they happened, so the exclusive parts are one sweep over them (`_sweep`, no sort), unless
+the times do not run forward (marks on another stream or thread): then the intervals are
+sorted first (`exclusive_parts`).
 """
 
 from __future__ import annotations
 
+from itertools import chain, islice
 from typing import Any
 
-from zerowatch.agent.probes.clock import Clock, HostClock
-from zerowatch.agent.probes.room import Spares
+from zerowatch.agent.probes.clock import Clock
 
 from zerowatch import events as ev
 from zerowatch.events import STEP_PARTS as _PARTS
@@ -65,18 +70,14 @@ _TOP_DOWN = range(len(_BY_PRIORITY) - 1, 0, -1)
 _OWNER = [0] + [mask.bit_length() - 1 for mask in range(1, 1 << len(_BY_PRIORITY))]
 
 
-def _sweep(
-    edges: list[Any], step_s: float, seconds: Any, origin: float = 0.0
-) -> list[float] | None:
+def _sweep(edges: list[Any], step_s: float) -> list[float] | None:
     """Seconds per priority (index 0: other) of a step cut at `edges`.
 
     Args:
-        edges: flat [mark, signed priority, ...] in the order they happened: +p opens an
-            interval of priority p, -p closes one, 0 is ignored.
+        edges: flat [time, signed priority, ...] in the order they happened, times in
+            seconds from the step's start: +p opens an interval of priority p, -p closes
+            one, 0 is ignored.
         step_s: the step's length; times are clipped to [0, step_s].
-        seconds: mark -> seconds from the step's start; None when the marks are host
-            times (seconds from `origin`).
-        origin: the step's start, where `seconds` is None.
 
     Returns:
         None when the times do not run forward (the caller sorts instead).
@@ -87,10 +88,9 @@ def _sweep(
     mask = 0  # bit p set while an interval of priority p is open
     prev = 0.0
     it = iter(edges)
-    for mark, p in zip(it, it, strict=True):  # (mark, signed priority) pairs
+    for t, p in zip(it, it, strict=True):  # (time, signed priority) pairs
         if not p:
             continue
-        t = mark - origin if seconds is None else seconds(mark)
         if t > step_s:
             t = step_s
         elif t < 0.0:
@@ -144,7 +144,7 @@ def exclusive_parts(intervals: list[tuple[str, float, float]], step_s: float) ->
             sorted_edges.append((b, -owner[1]))
     sorted_edges.sort(key=lambda e: (e[0], e[1] > 0, abs(e[1])))
     flat: list[Any] = [x for edge in sorted_edges for x in edge]
-    out = _sweep(flat, step_s, None)
+    out = _sweep(flat, step_s)
     assert out is not None  # sorted: the times run forward
     return _as_parts(out)
 
@@ -179,247 +179,149 @@ class PhaseCodes:
 
 
 class PhaseWindow:
-    """The phase intervals of one step, resolved once their clock marks are ready.
+    """The phase boundaries of one step, paired when first read (once `ready()`).
 
     Args:
         clock: whose marks these are.
-        codes: the phase indices the intervals speak of.
-        intervals: flat [phase index, start mark, end mark, ran inside backward, ...], in
-            the order the intervals ended.
-        edges: flat [mark, signed priority, ...] of the outermost intervals, in the order
-            they happened (see `_sweep`).
+        codes: the phase indices the boundaries speak of.
+        log: flat [code, mark, ...] per boundary, in the order they happened.
+        start, end: the step's first and last marks.
     """
 
-    def __init__(self, clock: Clock, codes: PhaseCodes | None = None,
-                 intervals: list[Any] | None = None, edges: list[Any] | None = None) -> None:  # fmt: skip
+    def __init__(self, clock: Clock, codes: PhaseCodes, log: list[Any], start: Any,
+                 end: Any) -> None:  # fmt: skip
         self.clock = clock
-        self.codes = codes if codes is not None else PhaseCodes()
-        self._iv: list[Any] = intervals if intervals is not None else []
-        self._edges: list[Any] = edges if edges is not None else []
-        #: Host marks are the times themselves: always ready, subtracted directly.
-        self._on_host = isinstance(clock, HostClock)
-        #: Set by `PhaseTimer.take(step_start, step_end)` on the host: the totals, and the
-        #: parts of that step (for those very arguments), computed while pairing.
-        self._totals: dict[str, float] | None = None
-        self._parts_for: tuple[Any, float] | None = None
-        self._parts: dict[str, float] | None = None
-        #: (boundaries, index of the first, step start, step end) not paired yet
-        #: (`PhaseTimer.take_later`).
-        self._later: tuple[list[Any], int, float, float] | None = None
+        self.codes = codes
+        self.start = start
+        self.end = end
+        self._log: list[Any] | None = log
+        self._paired: _Paired | None = None
 
-    @classmethod
-    def later(cls, clock: Clock, codes: PhaseCodes, log: list[Any], step_start: float,
-              step_end: float, first: int = 0) -> PhaseWindow:  # fmt: skip
-        """A window of host-clock boundaries (`log[first:]`: code, mark, ...) paired when
-        first read, as `PhaseTimer.take(step_start, step_end)` pairs them, no phase being
-        open before the first boundary."""
-        window = cls(clock, codes)
-        window._later = (log, first, step_start, step_end)
-        return window
-
-    def _pair_later(self) -> None:
-        assert self._later is not None
-        log, first, origin, end = self._later
-        self._later = None
-        n = first + ((len(log) - first) & ~1)
-        resolved = _pair_resolved(self.codes, log, n, origin, end, first)
-        if resolved is not None:
-            self._iv, self._edges, self._totals, self._parts_for, self._parts = resolved
-        else:
-            self._iv, self._edges = _pair_open(self.codes, log[first:], [])
-
-    @property
-    def intervals(self) -> list[tuple[str, Any, Any, bool]]:
-        """(phase, start mark, end mark, ran inside backward), in the order they ended."""
-        if self._later is not None:
-            self._pair_later()
-        names, iv = self.codes.names, self._iv
-        return [(names[iv[j]], iv[j + 1], iv[j + 2], iv[j + 3]) for j in range(0, len(iv), 4)]
+    def _marks(self, log: list[Any]) -> Any:
+        return chain((self.start, self.end), islice(log, 1, None, 2))
 
     def ready(self) -> bool:
-        if self._on_host:
-            return True
-        if self._later is not None:
-            self._pair_later()
-        ready, iv = self.clock.ready, self._iv
-        return all(ready(iv[j]) for j in range(2, len(iv), 4))
+        """Whether the step's marks are known (on the host: always)."""
+        return self._log is None or self.clock.ready(self._marks(self._log))
+
+    def discard(self) -> None:
+        """Give the marks back unread (a step that is dropped)."""
+        log, self._log = self._log, None
+        if log is not None:
+            self.clock.release(self._marks(log))
+
+    def _pair(self) -> _Paired:
+        if self._paired is None:
+            log, self._log = self._log, None
+            assert log is not None, "a discarded window is not read"
+            clock, start = self.clock, self.start
+            seconds = clock.seconds
+            step_s = max(seconds(start, self.end), 0.0)
+            times = [seconds(start, mark) for mark in islice(log, 1, None, 2)]
+            clock.release(self._marks(log))
+            self._paired = _pair_boundaries(self.codes, log, times, step_s)
+        return self._paired
+
+    @property
+    def step_s(self) -> float:
+        """The step's length in seconds (from its first mark to its last)."""
+        return self._pair().step_s
+
+    @property
+    def intervals(self) -> list[tuple[str, float, float, bool]]:
+        """(phase, start, end, ran inside backward) in seconds from the step's start, in the
+        order they ended."""
+        names, iv = self.codes.names, self._pair().intervals
+        return [(names[iv[j]], iv[j + 1], iv[j + 2], iv[j + 3]) for j in range(0, len(iv), 4)]
 
     def totals(self) -> dict[str, float]:
         """Seconds per phase, plus `backward_inner` when backward ran."""
-        if self._later is not None:
-            self._pair_later()
-        if self._totals is not None:
-            return dict(self._totals)
-        iv = self._iv
-        seconds = None if self._on_host else self.clock.seconds
-        sums = [0.0] * len(self.codes.names)
-        seen = [False] * len(sums)
-        reduce_in_backward = 0.0
-        grad_reduce = self.codes.grad_reduce
-        for j in range(0, len(iv), 4):
-            i = iv[j]
-            d = iv[j + 2] - iv[j + 1] if seconds is None else seconds(iv[j + 1], iv[j + 2])
-            if d > 0.0:
-                sums[i] += d
-                if i == grad_reduce and iv[j + 3]:
-                    reduce_in_backward += d
-            seen[i] = True
-        out = {name: sums[i] for i, name in enumerate(self.codes.names) if seen[i]}
-        if "backward" in out:
-            out["backward_inner"] = max(out["backward"] - reduce_in_backward, 0.0)
-        return out
+        return dict(self._pair().totals)
 
-    def parts(self, step_start: Any, step_s: float) -> dict[str, float]:
-        """The step's exclusive parts (`exclusive_parts`), `step_start` its clock mark."""
-        if self._later is not None:
-            self._pair_later()
-        if self._parts is not None and self._parts_for == (step_start, step_s):
-            return dict(self._parts)
-        seconds = self.clock.seconds
-        if self._on_host:
-            out = _sweep(self._edges, step_s, None, float(step_start))
-        else:
-            out = _sweep(self._edges, step_s, lambda mark: seconds(step_start, mark))
-        if out is None:  # marks out of order (another thread's boundaries): sort them
-            return exclusive_parts(
-                [(name, seconds(step_start, start), seconds(step_start, end))
-                 for name, start, end, _ in self.intervals],
-                step_s,
-            )  # fmt: skip
-        return _as_parts(out)
+    def parts(self) -> dict[str, float]:
+        """The step's exclusive parts (`exclusive_parts`): they add up to `step_s`."""
+        return dict(self._pair().parts)
 
     def spans(self) -> list[tuple[str, float, float]]:
-        """(phase, host start, host end) per interval, for the trace export."""
-        out = []
-        for phase, start, end, _ in self.intervals:
-            t0 = self.clock.host_time(start)
-            out.append((phase, t0, t0 + max(self.clock.seconds(start, end), 0.0)))
-        return out
+        """(phase, host start, host end) per interval, for the trace export: the step's host
+        start plus each interval's times on the step's clock."""
+        t0 = self.clock.host_time(self.start)
+        return [(phase, t0 + a, t0 + max(b, a)) for phase, a, b, _ in self.intervals]
 
 
 class PhaseTimer:
-    """Collects phase boundaries on the training thread; `take()` hands over one step's
-    intervals.
+    """Collects phase boundaries on the training thread; `take()` hands over one step's.
 
-    A boundary is two appends to `log` (its code and its clock mark); the recorder's
-    callbacks append to it directly (`push`, `codes`), `start` / `end` are the same by
-    name. `take()` pairs the step's boundaries into intervals in one loop. The boundaries
-    start at `log[base]`: a log that `take_later` puts in place starts with padding, the
-    room made for the next step's boundaries (`room.with_room`).
+    A boundary is two appends to `log` (its code and its clock mark): `start` / `end` by
+    name, or the recorder's callbacks directly (`codes`). `take()` hands the log itself over
+    and a new list takes its place: whoever appends directly reads `log` again each time.
     """
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
-        self._mark = clock.mark
-        self._on_host = isinstance(clock, HostClock)
         self.codes = PhaseCodes()
-        #: code, mark, code, mark, ... per boundary, in order (`take_later` hands this list
-        #: over and puts a new one here; `take` and `reset` empty it).
+        #: code, mark, code, mark, ... per boundary of the step in progress, in order.
         self.log: list[Any] = []
-        #: Padding items at the start of `log`, before the boundaries.
-        self.base = 0
-        self.push = self.log.append
-        self._spares = Spares()
-        #: Start marks of the phases open at the end of the log, per phase index.
-        self._open: list[list[Any]] = [[] for _ in self.codes.names]
-        #: Whether any of them holds a start (read at every step's end and start instead of
-        #: looking at each list: between the engine's kernels every list is a cache miss).
-        self._any_open = False
 
     def start(self, phase: str, t: float) -> None:
         code = self.codes.start.get(phase)
         if code is None:
             code = 2 * self.codes.add(phase)
-        self.push(code)
-        self.push(self._mark(t))
+        log = self.log
+        log.append(code)
+        log.append(self.clock.mark(t))
 
     def end(self, phase: str, t: float) -> None:
         code = self.codes.end.get(phase)
         if code is None:
             code = 2 * self.codes.add(phase) + 1
-        self.push(code)
-        self.push(self._mark(t))
+        log = self.log
+        log.append(code)
+        log.append(self.clock.mark(t))
 
-    def take(self, step_start: Any = None, step_end: Any = None) -> PhaseWindow:
-        """The intervals logged since the last `take()`, paired.
-
-        Args:
-            step_start, step_end: the step's first and last clock marks. On the host clock
-                the window then also carries its totals and the step's parts, computed in
-                the pairing pass (`PhaseWindow.parts(step_start, max(step_end - step_start,
-                0))` returns them); on CUDA they are resolved when the marks are ready.
-        """
-        # (Phases carried over from the last window take the long way.)
-        log, base = self.log, self.base
-        if self._on_host and step_start is not None and step_end is not None and not self._any_open:
-            n = base + ((len(log) - base) & ~1)  # (whole boundaries: code, mark)
-            resolved = _pair_resolved(self.codes, log, n, float(step_start), float(step_end),
-                                      base)  # fmt: skip
-            if resolved is not None:
-                del log[base:n]
-                window = PhaseWindow(self.clock, self.codes)
-                (window._iv, window._edges, window._totals, window._parts_for,
-                 window._parts) = resolved  # fmt: skip
-                return window
-        open_ = self._open
-        while len(open_) < len(self.codes.names):  # names an adapter added since
-            open_.append([])
-        n = len(log)
-        intervals, edges = _pair_open(self.codes, log[base:n], open_)
-        self._any_open = any(open_)
-        del log[base:n]
-        return PhaseWindow(self.clock, self.codes, intervals, edges)
-
-    def take_later(self, step_start: Any, step_end: Any) -> PhaseWindow:
-        """`take(step_start, step_end)` with the pairing left to whoever first reads the
-        window (the recorder's step assembly, on the shipper thread): the step's boundaries
-        are taken out of the log now, a slice, and nothing else is done on the training
-        thread at the step's end: the log list is handed over whole, and `log` is a new
-        list after it, with room for as many boundaries as this step logged (`room`: the
-        next step's appends reallocate nothing; `make_room` makes it ahead). Host clock only, and for a step that
-        started with nothing open (the recorder resets the timer at each step's start); a
-        phase still open at the step's end is not carried over (the next `reset` would
-        forget it). Otherwise this is `take()`."""
-        if not self._on_host or self._any_open:
-            return self.take(step_start, step_end)
-        # The log itself goes with the window and a new one takes its place: no copy. (A
-        # slice would touch every mark's float to count a reference, and between the
-        # engine's kernels each is a cache miss: 36 us a step on 48 layers.) Whoever
-        # appends to the log directly reads `log` again after this (the recorder does).
-        boundaries, first = self.log, self.base
-        self.log, self.base = self._spares.take(len(boundaries) - first)
-        self.push = self.log.append
-        return PhaseWindow.later(self.clock, self.codes, boundaries, float(step_start),
-                                 float(step_end), first)  # fmt: skip
-
-    def make_room(self) -> None:
-        """Make a log with room ready for a coming `take_later` (on the shipper thread:
-        see `room.Spares`)."""
-        self._spares.make()
+    def take(self, step_start: Any, step_end: Any) -> PhaseWindow:
+        """The boundaries logged since the last `take()` or `reset()`, as the window of the
+        step between the marks `step_start` and `step_end` (paired when first read)."""
+        log, self.log = self.log, []
+        return PhaseWindow(self.clock, self.codes, log, step_start, step_end)
 
     def reset(self) -> None:
-        del self.log[self.base :]
-        if self._any_open:
-            for stack in self._open:
-                stack.clear()
-            self._any_open = False
+        """Forget the boundaries logged since the last `take()` (between two steps)."""
+        if self.log:
+            log, self.log = self.log, []
+            self.clock.release(islice(log, 1, None, 2))
 
 
-def _pair_resolved(
-    codes: PhaseCodes, log: list[Any], n: int, origin: float, end: float, first: int = 0
-) -> tuple[list[Any], list[Any], dict[str, float], tuple[float, float], dict[str, float]] | None:
-    """Pair the host-clock boundaries `log[first:n]` of one step (starting with no phase open)
-    and, in the same pass, sum the phases and lay out the outermost intervals' edges; then
-    cut the step into its exclusive parts (`_sweep`, the one cut of every path).
+class _Paired:
+    """What one pass over a step's boundaries gives (`_pair_boundaries`)."""
 
-    Returns:
-        (intervals, edges, totals, (origin, step_s), parts), or None when a phase is still
-        open at the end or the marks do not run forward (`_pair_open` handles those).
+    __slots__ = ("intervals", "parts", "step_s", "totals")
+
+    def __init__(self, intervals: list[Any], totals: dict[str, float], parts: dict[str, float],
+                 step_s: float) -> None:  # fmt: skip
+        #: flat [phase index, start, end, ran inside backward, ...] in the order they ended.
+        self.intervals = intervals
+        self.totals = totals
+        self.parts = parts
+        self.step_s = step_s
+
+
+def _pair_boundaries(codes: PhaseCodes, log: list[Any], times: list[float],
+                     step_s: float) -> _Paired:  # fmt: skip
+    """Pair one step's boundaries into intervals, sum the phases and cut the step into its
+    exclusive parts, in one pass (the module docstring says what is timed).
+
+    Args:
+        codes: the phase indices.
+        log: flat [code, mark, ...]; only the codes are read.
+        times: each boundary's time in seconds from the step's start, in log order.
+        step_s: the step's length.
     """
     priority = codes.priority
     n_phases = len(codes.names)
     depth = [0] * n_phases  # open starts per phase index
-    outer = [0.0] * n_phases  # the outermost open start's mark
+    outer = [0.0] * n_phases  # the outermost open start's time
+    outer_edge = [-1] * n_phases  # where that start sits in `edges`
     sums = [0.0] * n_phases
     seen = [False] * n_phases
     backward, grad_reduce = codes.backward, codes.grad_reduce
@@ -427,8 +329,7 @@ def _pair_resolved(
     intervals: list[Any] = []
     # The outermost intervals' edges, in the order they happened, for the cut (`_sweep`).
     edges: list[Any] = []
-    it = iter(log[first:n])
-    for code, mark in zip(it, it, strict=True):
+    for code, t in zip(islice(log, 0, None, 2), times, strict=True):
         i = code >> 1
         d = depth[i]
         if code & 1:  # an end
@@ -439,8 +340,8 @@ def _pair_resolved(
                 continue
             start = outer[i]
             in_backward = depth[backward] > 0
-            intervals += (i, start, mark, in_backward)
-            seconds = mark - start
+            intervals += (i, start, t, in_backward)
+            seconds = t - start
             if seconds > 0.0:
                 sums[i] += seconds
                 if in_backward and i == grad_reduce:
@@ -448,72 +349,29 @@ def _pair_resolved(
             seen[i] = True
             p = priority[i]
             if p:
-                edges += (mark, -p)
+                edges += (t, -p)
         else:
             depth[i] = d + 1
             if not d:
-                outer[i] = mark
+                outer[i] = t
                 p = priority[i]
                 if p:
-                    edges += (mark, p)
-    if any(depth):  # still open: timed in the window where they end
-        return None
-    step_s = end - origin
-    if step_s < 0.0:
-        step_s = 0.0
-    cut = _sweep(edges, step_s, None, origin)
-    if cut is None:
-        return None
+                    outer_edge[i] = len(edges)
+                    edges += (t, p)
+    for i, d in enumerate(depth):
+        if d and outer_edge[i] >= 0:  # still open at the step's end: not timed
+            edges[outer_edge[i] + 1] = 0
+    cut = _sweep(edges, step_s)
     names = codes.names
+    if cut is None:  # times out of order (marks on another stream or thread): sort them
+        parts = exclusive_parts([(names[intervals[j]], intervals[j + 1], intervals[j + 2])
+                                 for j in range(0, len(intervals), 4)], step_s)  # fmt: skip
+    else:
+        parts = _as_parts(cut)
     totals = {names[i]: sums[i] for i in range(n_phases) if seen[i]}
     if "backward" in totals:
         totals["backward_inner"] = max(totals["backward"] - reduce_in_backward, 0.0)
-    return intervals, edges, totals, (origin, step_s), _as_parts(cut)
-
-
-def _pair_open(
-    codes: PhaseCodes, log: list[Any], open_: list[list[Any]]
-) -> tuple[list[Any], list[Any]]:
-    """Pair boundaries (code, mark, ...) into intervals, whatever clock, with the phases
-    open before the first one in `open_` (start marks per phase index; updated: what is
-    still open at the end stays there).
-
-    Returns:
-        (intervals, edges) as `PhaseWindow` takes them.
-    """
-    priority = codes.priority
-    while len(open_) < len(codes.names):
-        open_.append([])
-    in_backward = open_[codes.backward]
-    intervals: list[Any] = []
-    edges: list[Any] = []
-    start_edge = [-1] * len(open_)  # where each open outer start sits in edges
-    # Phases still open from the last window enter at their outer start.
-    for i, stack in enumerate(open_):
-        if stack and priority[i]:
-            start_edge[i] = len(edges)
-            edges += (stack[0], priority[i])
-    for j in range(0, len(log) - 1, 2):
-        code = log[j]
-        i = code >> 1
-        stack = open_[i]
-        if not code & 1:  # a start
-            if not stack and priority[i]:
-                start_edge[i] = len(edges)
-                edges += (log[j + 1], priority[i])
-            stack.append(log[j + 1])
-        elif stack:  # (an end without a start, attached mid-phase: nothing to time)
-            start = stack.pop()
-            if not stack:  # (nested in the same phase: the outer interval counts)
-                intervals += (i, start, log[j + 1], bool(in_backward))
-                if priority[i]:
-                    edges += (log[j + 1], -priority[i])
-                    start_edge[i] = -1
-    # Still open: timed in the window where they end, not here.
-    for i, pos in enumerate(start_edge):
-        if pos >= 0 and open_[i]:
-            edges[pos + 1] = 0
-    return intervals, edges
+    return _Paired(intervals, totals, parts, step_s)
 
 
 __all__ = ["TOP_LEVEL", "PhaseCodes", "PhaseTimer", "PhaseWindow", "exclusive_parts"]

@@ -57,15 +57,15 @@ def test_phase_window_parts_from_the_timer_marks() -> None:
         timer.end(phase, t)
     timer.start("optimizer_step", 101.2)
     timer.end("optimizer_step", 101.4)
-    parts = timer.take().parts(100.0, 2.0)
+    parts = timer.take(100.0, 102.0).parts()
     assert parts["forward_compute"] == pytest.approx(0.2)
     assert parts["exposed_param_gather"] == pytest.approx(0.3)
     assert parts["optimizer_step"] == pytest.approx(0.2)
     assert parts["other"] == pytest.approx(1.3)  # 0-0.5, 1.0-1.2, 1.4-2.0
 
 
-#: Boundaries of one step: (start?, phase, time). Nested in itself, grad_reduce inside and
-#: after backward, an end without a start, an offload inside a gather.
+#: Boundaries of one step from 100 s to 102 s: (start?, phase, time). Nested in itself,
+#: grad_reduce inside and after backward, an end without a start, an offload inside a gather.
 _STEP = [
     (False, "forward", 100.05),  # attached mid-phase: not timed
     (True, "forward", 100.1), (True, "param_gather", 100.2), (True, "offload_h2d", 100.25),
@@ -84,53 +84,62 @@ def _logged(boundaries: list[tuple[bool, str, float]]) -> PhaseTimer:
     return timer
 
 
-@pytest.mark.parametrize(
-    "boundaries",
-    [
-        _STEP,
-        _STEP[:-1],  # optimizer_step still open at the end: it is timed in the next window
-        [*_STEP[:3], (False, "param_gather", 100.15), *_STEP[3:]],  # an end before its start
-        [(True, "forward", 99.5), *_STEP, (True, "backward", 102.5), (False, "backward", 103.0)],
-    ],
-    ids=["step", "still-open", "out-of-order", "beyond-the-step"],
-)
-def test_a_window_resolved_while_pairing_matches_pairing_then_cutting(
-    boundaries: list[tuple[bool, str, float]],
-) -> None:
-    step_start, step_end = 100.0, 102.0
-    resolved = _logged(boundaries).take(step_start, step_end)
-    paired = _logged(boundaries).take()
-    assert resolved.intervals == paired.intervals
-    assert resolved.totals() == paired.totals()
-    assert resolved.parts(step_start, 2.0) == paired.parts(step_start, 2.0)
-    assert sum(resolved.parts(step_start, 2.0).values()) == pytest.approx(2.0)
-    # Asked about another step than the one it was resolved for, it cuts that one.
-    assert resolved.parts(100.5, 1.0) == pytest.approx(paired.parts(100.5, 1.0))
+def test_a_steps_boundaries_pair_into_its_phases_totals_and_parts() -> None:
+    window = _logged(_STEP).take(100.0, 102.0)
+    got = [(p, pytest.approx(a), pytest.approx(b), inside) for p, a, b, inside in window.intervals]
+    assert got == [
+        ("offload_h2d", 0.25, 0.3, False), ("param_gather", 0.2, 0.4, False),
+        ("forward", 0.1, 0.5, False), ("grad_reduce", 0.7, 0.9, True),  # the outer one
+        ("backward", 0.6, 1.2, False), ("grad_reduce", 1.2, 1.3, False),
+        ("optimizer_step", 1.4, 1.8, False),
+    ]  # fmt: skip
+    assert window.totals() == pytest.approx({
+        "forward": 0.4, "param_gather": 0.2, "offload_h2d": 0.05, "backward": 0.6,
+        "grad_reduce": 0.3, "optimizer_step": 0.4, "backward_inner": 0.4,
+    })  # fmt: skip
+    assert window.step_s == pytest.approx(2.0)
+    assert window.parts() == pytest.approx({
+        "forward_compute": 0.2, "exposed_param_gather": 0.15, "exposed_offload": 0.05,
+        "backward_compute": 0.4, "exposed_grad_reduce": 0.3, "optimizer_step": 0.4,
+        "other": 0.5,
+    })  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "boundaries",
     [
         _STEP,
-        _STEP[:-1],  # optimizer_step still open at the end
+        _STEP[:-1],  # optimizer_step still open at the step's end
         [*_STEP[:3], (False, "param_gather", 100.15), *_STEP[3:]],  # an end before its start
         [(True, "forward", 99.5), *_STEP, (True, "backward", 102.5), (False, "backward", 103.0)],
+        [*_STEP[:8], (True, "forward", 100.55), (False, "forward", 100.58), *_STEP[8:]],
     ],
-    ids=["step", "still-open", "out-of-order", "beyond-the-step"],
+    ids=["step", "still-open", "out-of-order", "beyond-the-step", "out-of-step-order"],
 )
-def test_a_window_paired_when_first_read_matches_one_paired_at_take(
+def test_the_one_pass_cut_matches_cutting_the_intervals_sorted(
     boundaries: list[tuple[bool, str, float]],
 ) -> None:
-    """The recorder takes a step's boundaries out at its end and pairs them later (on the
-    shipper thread): the window reads the same, and the timer starts the next step empty."""
-    step_start, step_end = 100.0, 102.0
-    now = _logged(boundaries).take(step_start, step_end)
-    timer = _logged(boundaries)
-    later = timer.take_later(step_start, step_end)
-    assert timer.log[timer.base :] == []
-    timer.start("forward", 103.0)  # the next step's boundaries do not reach the window
-    timer.end("forward", 103.5)
-    assert later.totals() == now.totals()
-    assert later.intervals == now.intervals
-    assert later.parts(step_start, 2.0) == now.parts(step_start, 2.0)
-    assert later.parts(100.5, 1.0) == pytest.approx(now.parts(100.5, 1.0))
+    """The window cuts the step while pairing (edges in the order they happened) and sorts
+    only when the times do not run forward: either way, the cut of its intervals."""
+    window = _logged(boundaries).take(100.0, 102.0)
+    sorted_cut = exclusive_parts([(p, a, b) for p, a, b, _ in window.intervals], 2.0)
+    assert window.parts() == pytest.approx(sorted_cut)
+    assert sum(window.parts().values()) == pytest.approx(2.0)
+
+
+def test_a_phase_open_at_the_steps_end_is_not_timed() -> None:
+    timer = _logged(_STEP[:-1])
+    window = timer.take(100.0, 102.0)
+    assert "optimizer_step" not in window.totals()
+    assert window.parts()["optimizer_step"] == 0.0
+    timer.end("optimizer_step", 102.5)  # (the next step: an end without a start)
+    assert timer.take(102.0, 103.0).intervals == []
+
+
+def test_the_next_steps_boundaries_do_not_reach_a_window_taken() -> None:
+    timer = _logged(_STEP)
+    window = timer.take(100.0, 102.0)
+    timer.start("forward", 102.1)  # the next step's, before the window is first read
+    timer.end("forward", 102.5)
+    assert window.totals() == _logged(_STEP).take(100.0, 102.0).totals()
+    assert [p for p, *_ in timer.take(102.0, 103.0).intervals] == ["forward"]
