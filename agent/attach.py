@@ -9,7 +9,11 @@ At instrument time, once per job:
 - the ranks estimate their clock's offset to rank 0's over the same group
   (`zerowatch.clocks`), so every time they send is on rank 0's clock;
 - the MFU meter is made from the device's peak (by its name) and the model's FLOPs per
-  token (agent/flops.py).
+  token (agent/flops.py);
+- on a bundled engine, first of all, the ranks rehearse every stage's communication path
+  and probe the link for the doctor (zerowatch/rehearse, about a second of collectives on a
+  multi-rank CPU job; `rehearse=False` leaves it out): it arrives in the run's
+  `engine_info["collective_calls"]` beside the calls the adapter counted.
 """
 
 from __future__ import annotations
@@ -88,6 +92,26 @@ def _agree(
         health.error("agreeing on the run id over the process group", e)
         run_id, started = _fallback_id(name), proposal[1]
     return str(run_id), float(started)
+
+
+def _with_rehearsal(adapter: EngineAdapter, job: JobInfo, health: AgentHealth) -> JobInfo:
+    """`job` with what the adapter measures for the doctor beside the steps (the bundled
+    engine's: zerowatch/rehearse) merged into `engine_info["collective_calls"]`; `job` as
+    it is for an adapter that measures nothing, or when the measuring fails (logged)."""
+    measure = getattr(adapter, "rehearse", None)
+    calls = job.engine_info.get("collective_calls")
+    if measure is None or not isinstance(calls, dict):
+        return job
+    try:
+        got = measure()
+    except Exception as e:
+        health.error("rehearsing the stages' communication for the doctor", e)
+        return job
+    if not got:
+        return job
+    return dataclasses.replace(
+        job, engine_info={**job.engine_info, "collective_calls": {**calls, **got}}
+    )
 
 
 def _clock_offset(adapter: EngineAdapter, job: JobInfo, config: AgentConfig,
@@ -195,6 +219,7 @@ def instrument(
     spool_dir: str | os.PathLike[str] | None = None,
     optimizer: Any = None,
     job: str | None = None,
+    rehearse: bool = True,
     **kw: Any,
 ) -> Run:
     """Attach the in-process agent to `engine` on this rank; call it on every rank.
@@ -215,6 +240,10 @@ def instrument(
         job: the job this run is part of: the runs of one job across restarts are one
             job on the server (its goodput). Default `$ZEROWATCH_JOB`, the SLURM job id or
             torchrun's run id (`job_key`).
+        rehearse: on a bundled engine, rehearse every stage's communication path and
+            probe the link for the doctor's predictions before anything else (a
+            collective sequence, about a second on a multi-rank CPU job; nothing on one
+            rank or a GPU). The same on every rank. False: the doctor prices without them.
         **kw: `AgentConfig` fields (spans_every, peak_flops, max_spool_bytes, ...).
 
     Returns:
@@ -240,6 +269,8 @@ def instrument(
     adapter = select_adapter(engine, optimizer=optimizer)
     info = adapter.info()
     health = AgentHealth()
+    if rehearse:
+        info = _with_rehearsal(adapter, info, health)
     run_id, started = _agree(adapter, info, run, health)
     clock_offset = _clock_offset(adapter, info, config, health)
     name = config.name or run or run_id

@@ -63,13 +63,16 @@ def _finite_or_none(x: Any) -> float | None:
 
 
 def _engine_info(e: Any) -> dict[str, Any]:
-    """The engine's class and, where it counted them (engine/counts.py), the collective
-    calls each stage makes per step at a range of bucket sizes: the doctor prices other
-    stages and bucket sizes with them."""
+    """The engine's class and, for the bundled engine, the collective calls each stage
+    makes per step at a range of bucket sizes (zerowatch/rehearse/counts.py: arithmetic,
+    no collective): the doctor prices other stages and bucket sizes with them."""
     info: dict[str, Any] = {"class": type(e).__qualname__}
-    calls = getattr(e, "collective_calls", None)
-    if isinstance(calls, dict):
-        info["collective_calls"] = calls
+    if hasattr(e, "trained_params"):
+        from zerowatch.rehearse import collective_calls
+
+        calls = collective_calls(e)
+        if calls is not None:
+            info["collective_calls"] = calls
     return info
 
 
@@ -123,6 +126,17 @@ class ZeroWatchEngineAdapter:
             engine_info=_engine_info(e),
             global_step=int(getattr(e, "global_steps", 0) or 0),
         )
+
+    def rehearse(self) -> dict[str, Any]:
+        """What the doctor measures beside the steps (zerowatch/rehearse: each stage's
+        communication path, the link's bandwidth), to merge into
+        `engine_info["collective_calls"]`; {} where nothing is measured. Collectives on the
+        engine's process group: every rank calls it at the same point."""
+        if not hasattr(self.engine, "trained_params"):
+            return {}
+        from zerowatch.rehearse import rehearse
+
+        return rehearse(self.engine)
 
     def attach(self, observer: Any) -> None:
         self.engine.add_observer(observer)

@@ -8,10 +8,9 @@ collectives), phases (the only announcer of phase boundaries), flat (segments),
 params_replicated / params_sharded (parameter owners), reducers (gradient reducers), stages
 (which parts make each stage), optim (master weights and the step), precision (loss
 scaling), schedulers, checkpoint, zero_init (zero.Init: a model built partitioned, and
-full weights loaded one slice per rank), gathered (zero.GatheredParameters), counts (the
-collective calls each stage makes per step, counted at initialization), rehearsal (each
-stage's communication path on the training thread, rehearsed with the real collectives at
-initialization on a CPU run, for the doctor), engine (the facade).
+full weights loaded one slice per rank), gathered (zero.GatheredParameters), engine (the
+facade). What the doctor measures of a job beyond its steps lives outside the engine
+(zerowatch/rehearse, run by the agent when it attaches).
 
 Importing this package imports nothing of the engine: the names below load on first use
 (module `__getattr__`), so that `zerowatch.engine.hooks`, the observer interface the agent's

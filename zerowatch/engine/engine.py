@@ -37,14 +37,12 @@ from zerowatch.engine import gathered as _gathered
 from zerowatch.engine import launch
 from zerowatch.engine import zero_init as _zero_init
 from zerowatch.engine.comm import Comm, carries_cuda, device_backends
-from zerowatch.engine.counts import collective_calls
 from zerowatch.engine.flat import Segment, Slot
 from zerowatch.engine.forensics import LocalGrads
 from zerowatch.engine.hooks import ObserverRegistry
 from zerowatch.engine.optim import MasterWeights, StepStats, build_optimizer, state_tensors
 from zerowatch.engine.phases import Phases
 from zerowatch.engine.precision import DTYPES, make_scaler
-from zerowatch.engine.rehearsal import link_bandwidth, management_s
 from zerowatch.engine.schedulers import build_scheduler
 from zerowatch.engine.stages import ParamList, compose
 
@@ -58,8 +56,8 @@ def pick_device() -> torch.device:
     current with torch.cuda.set_device, when CUDA is available and the default process group
     (or no group) carries CUDA tensors; else the CPU.
 
-    A group whose CUDA tensors would go through gloo trains on the CPU, as before (gloo
-    stages CUDA tensors through host memory and lacks some CUDA collectives): said once.
+    A group whose CUDA tensors would go through gloo trains on the CPU (gloo stages CUDA
+    tensors through host memory and lacks some CUDA collectives): said once.
     """
     if not torch.cuda.is_available():
         return torch.device("cpu")
@@ -175,30 +173,12 @@ class ZeroEngine:
                     t.data = t.data.to(self.dtype)
         self._broadcast_initial_state(skip=sharded, max_numel=max(int(zc.reduce_bucket_size), 1))
 
-        #: Collective calls per step of every stage at a range of bucket sizes (counts.py),
-        #: counted before stage 3 empties the parameters; the agent sends it to the doctor.
-        self.collective_calls = collective_calls(
-            module, params, zc, world_size=self.world_size,
-            gradient_accumulation_steps=int(self.gradient_accumulation_steps))  # fmt: skip
-        # ... and each stage's communication path on the training thread, rehearsed on this
-        # job's parameters and process group (rehearsal.py: every rank alike), which a run
-        # cannot measure for the stages it does not run.
-        # A partitioned model is not rehearsed: the rehearsal holds every unit gathered at
-        # once, the whole model that Init exists to avoid.
-        manage = None if sharded else management_s(
-            module, params, zc, comm=self.comm, world_size=self.world_size, rank=self.rank,
-            gradient_accumulation_steps=int(self.gradient_accumulation_steps),
-            device=self.device, dtype=self.dtype)  # fmt: skip
-        if manage is not None and self.collective_calls:
-            self.collective_calls["management_s"] = {str(st): v for st, v in manage.items()}
-        # ... and the bus bandwidth of the job's process group with one large message, for
-        # the doctor to judge small collectives by when a run has no larger ones of its own
-        # (not for a partitioned model either: its message, 8 MiB, is more than Init lets
-        # start-up hold).
-        link = None if sharded else link_bandwidth(
-            comm=self.comm, world_size=self.world_size, device=self.device, dtype=self.dtype)  # fmt: skip
-        if link is not None and self.collective_calls:
-            self.collective_calls["link"] = link
+        #: (name, parameter, param group) of what the engine trains, in the model's order:
+        #: what the stages are laid out from (zerowatch/rehearse lays them out again, on
+        #: stand-ins, for the doctor).
+        self.trained_params = params
+        #: The model came partitioned from zerowatch.zero.Init: it is never held whole.
+        self.built_partitioned = bool(sharded)
         #: Stage 3 reduces gradients on a process group of its own (docs/gpu.md).
         self.grad_comm = self.comm.twin() if self.zero_stage == 3 else None
         self.parts = compose(self.zero_stage, module, params, zc, self.comm, self.phases,

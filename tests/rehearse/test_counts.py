@@ -1,6 +1,7 @@
-"""The collective calls the engine counts at initialization for each stage and bucket size
-(engine/counts.py, sent in the run's engine_info for the doctor) are the calls a real
-2-rank gloo run makes per step, as the agent measures them (its spooled step events)."""
+"""The collective calls counted for each stage and bucket size from the engine's layout
+(zerowatch/rehearse/counts.py, sent in the run's engine_info for the doctor) are the calls
+a real 2-rank gloo run makes per step, as the agent measures them (its spooled step
+events)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from support.engine_harness import run_ranks
 from support.engine_scenarios import TIED, TINY, ds_config, make_model, train_engine
 
 import zerowatch
+from zerowatch.rehearse import collective_calls
 
 pytestmark = pytest.mark.slow
 
@@ -46,9 +48,11 @@ def _run(rank: int, world: int, spool_root: str) -> list[dict[str, Any]]:
         engine, *_ = zerowatch.initialize(
             model=make_model(cfg), config=ds_config(stage, bucket=bucket, ga=ga, overlap=stage >= 2)
         )
-        with zerowatch.instrument(engine, run=f"calls-{i}", spool_dir=f"{spool_root}/{i}"):
+        with zerowatch.instrument(engine, run=f"calls-{i}", spool_dir=f"{spool_root}/{i}",
+                                  rehearse=False):  # fmt: skip
             train_engine(engine, cfg, STEPS, ga, world, rank)
-        table = engine.collective_calls
+        table = collective_calls(engine)  # after training: from the live engine's layout
+        assert table is not None
         at = table["bucket_sizes"].index(bucket)
         out.append({stage_key: {op: calls[at] for op, calls in per_op.items() if calls[at]}
                     for stage_key, per_op in table["calls"].items()})  # fmt: skip

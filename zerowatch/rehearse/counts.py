@@ -1,13 +1,14 @@
 """How many collective calls each stage makes per optimizer step, counted from the engine's
-own layout rules at initialization (nothing is run).
+own layout rules (nothing is run: pure arithmetic over the parameters' shapes).
 
 The doctor prices another stage or bucket size by its calls as well as its bytes (each call
 pays a latency), and the calls depend on things the server does not know: how the
 parameters' sizes fall into reduce buckets (a parameter larger than the bucket is a bucket
-of its own), and how stage 3 cuts the module tree into units. The engine knows both, so it
-counts them with the very functions that lay itself out (`flat.bucket`,
-`stages.stage3_units`), for every stage and a range of `reduce_bucket_size` values, and the
-agent sends the table in the run's `engine_info["collective_calls"]`.
+of its own), and how stage 3 cuts the module tree into units. The engine knows both, so
+they are counted with the very functions that lay it out (`flat.bucket`,
+`stages.stage3_units`), over the job's layout (layout.py), for every stage and a range of
+`reduce_bucket_size` values, and the agent sends the table in the run's
+`engine_info["collective_calls"]`.
 
 Per optimizer step with N > 1 ranks and A micro-batches (gradient accumulation), B the
 reduce buckets of the stage's layout, U stage 3's units, S the buckets of stage 3's
@@ -34,23 +35,19 @@ from typing import Any
 from torch import nn
 
 from zerowatch.config import ZeroConfig
-from zerowatch.engine.flat import bucket
-from zerowatch.engine.stages import ParamList, stage3_units
+from zerowatch.engine.flat import Segment, bucket
+from zerowatch.rehearse.layout import Layout
 
 #: The smallest bucket size of the table (elements) and how many sizes it holds at most.
 SMALLEST_BUCKET = 256
 MAX_SIZES = 40
 
 
-def stage_calls(stage: int, module: nn.Module, params: ParamList, zc: ZeroConfig, *,
-                world_size: int, gradient_accumulation_steps: int,
-                reduce_bucket_size: int) -> dict[str, int]:  # fmt: skip
+def stage_calls(stage: int, layout: Layout, *, reduce_bucket_size: int) -> dict[str, int]:
     """Collective calls of each op per optimizer step at `stage` with buckets of
-    `reduce_bucket_size` elements (the table of the module docstring).
-
-    Must run before the engine lays out stage 3 (which empties the parameters).
-    """
-    n, ga = world_size, max(gradient_accumulation_steps, 1)
+    `reduce_bucket_size` elements (the table of the module docstring)."""
+    n, ga = layout.world_size, max(layout.gradient_accumulation_steps, 1)
+    params = layout.params
     if n <= 1 or not params:
         return {}
     b = max(int(reduce_bucket_size), 1)
@@ -61,33 +58,29 @@ def stage_calls(stage: int, module: nn.Module, params: ParamList, zc: ZeroConfig
             return {"all_reduce": buckets}
         return {"all_reduce": 1, "reduce_scatter": buckets * (ga if stage == 2 else 1),
                 "all_gather": buckets}  # fmt: skip
-    threshold = int(zc.stage3_param_persistence_threshold)
-    persistent = [t for t in params if t[1].numel() < threshold]
-    big = {id(t[1]): t for t in params if t[1].numel() >= threshold}
-    units, roots = stage3_units(module, big, n, 0, max_numel=b)
-    small = len(bucket(list(reversed(persistent)), b, 1, 0))
-    gathers = _forward_gathers(module, units, roots, zc) + len(units)
+    units, roots = layout.stage3_units(b, 0)
+    small = len(bucket(list(reversed(layout.persistent())), b, 1, 0))
+    gathers = forward_gathers(layout, units, roots) + len(units)
     out = {"all_reduce": small + (1 if units else 0), "reduce_scatter": ga * len(units),
            "all_gather": ga * gathers}  # fmt: skip
     return {op: c for op, c in out.items() if c}
 
 
-def _forward_gathers(module: nn.Module, units: list[Any], roots: list[nn.Module],
-                     zc: ZeroConfig) -> int:  # fmt: skip
+def forward_gathers(layout: Layout, units: list[Segment], roots: list[nn.Module]) -> int:
     """All-gathers in one forward: one per unit and module that needs it, as ShardedParams
     hooks them (its root, and any module outside the root's subtree that holds one of its
     parameters), a unit used by several modules once when the reuse distance spans the
     rest of the model."""
-    unit_of = {id(s.param): i for i, seg in enumerate(units) for s in seg.slots}
+    unit_of = {layout.real_id(s.param): i for i, seg in enumerate(units) for s in seg.slots}
     inside = [{id(m) for m in root.modules()} for root in roots]
     uses = [1] * len(units)
-    for m in module.modules():
+    for m in layout.module.modules():
         for p in m.parameters(recurse=False):
             i = unit_of.get(id(p))
             if i is not None and m is not roots[i] and id(m) not in inside[i]:
                 uses[i] += 1
     total = sum(seg.numel for seg in units)
-    reuse = int(zc.stage3_max_reuse_distance)
+    reuse = int(layout.zc.stage3_max_reuse_distance)
     return sum(1 if k > 1 and reuse >= total - units[i].numel else k
                for i, k in enumerate(uses))  # fmt: skip
 
@@ -105,8 +98,7 @@ def bucket_sizes(reduce_bucket_size: int, num_params: int) -> list[int]:
     return sorted(sizes)
 
 
-def collective_calls(module: nn.Module, params: ParamList, zc: ZeroConfig, *, world_size: int,
-                     gradient_accumulation_steps: int) -> dict[str, Any]:  # fmt: skip
+def collective_calls(layout: Layout) -> dict[str, Any]:
     """The table the agent sends as `engine_info["collective_calls"]`:
 
     {"world_size": N, "gradient_accumulation_steps": A,
@@ -114,21 +106,20 @@ def collective_calls(module: nn.Module, params: ParamList, zc: ZeroConfig, *, wo
      "bucket_sizes": [b0 < b1 < ...],
      "calls": {"0".."3": {op: [calls per step at b0, b1, ...]}}}
     """
-    num_params = sum(t[1].numel() for t in params)
+    zc: ZeroConfig = layout.zc
+    num_params = sum(t[1].numel() for t in layout.params)
     sizes = bucket_sizes(int(zc.reduce_bucket_size), num_params)
     calls: dict[str, dict[str, list[int]]] = {}
     for stage in range(4):
         per_op: dict[str, list[int]] = {}
         for i, size in enumerate(sizes):
-            got = stage_calls(stage, module, params, zc, world_size=world_size,
-                              gradient_accumulation_steps=gradient_accumulation_steps,
-                              reduce_bucket_size=size)  # fmt: skip
-            for op, c in got.items():
+            for op, c in stage_calls(stage, layout, reduce_bucket_size=size).items():
                 per_op.setdefault(op, [0] * len(sizes))[i] = c
         calls[str(stage)] = per_op
-    return {"world_size": world_size, "gradient_accumulation_steps": gradient_accumulation_steps,
+    return {"world_size": layout.world_size,
+            "gradient_accumulation_steps": layout.gradient_accumulation_steps,
             "reduce_bucket_size": int(zc.reduce_bucket_size), "bucket_sizes": sizes,
             "calls": calls}  # fmt: skip
 
 
-__all__ = ["bucket_sizes", "collective_calls", "stage_calls"]
+__all__ = ["bucket_sizes", "collective_calls", "forward_gathers", "stage_calls"]

@@ -1,6 +1,6 @@
-"""Each stage's communication path on the training thread, rehearsed on this job's own
-parameters and process group at initialization: what a run cannot measure in its steps for
-the stages it does not run.
+"""Each stage's communication path on the training thread, rehearsed on the job's own
+process group with its parameters' layout: what a run cannot measure in its steps for the
+stages it does not run.
 
 At stage 3 the training thread, around every use of a unit (engine/params_sharded.py) and
 every reduction of its gradients (reducers.MicroBatchReducer), takes a flat buffer from the
@@ -16,44 +16,38 @@ bound; stages 1-2 all-gather the updated parts after the optimizer step. A run m
 own stage's path as the time of its communication phases not spent blocked in a
 collective's wait (`comm_phase_host_s`, docs/doctor.md), and not the other stages'.
 
-The engine rehearses every stage's path with the same definition. It lays the stages out
-with the functions that lay itself out (`flat.bucket`, `stages.stage3_units`, as counts.py
-does) and goes through one optimizer step of each, as often as a step does (stage 3: every
-unit gathered in each forward, counts._forward_gathers, and once in backward, with its
-prefetch, `stage3_prefetch_bucket_size` and `stage3_max_live_parameters`, its in-flight
-bound, twice `reduce_bucket_size`, and its persistent parameters' all-reduces; stages 0-2:
-their buckets), issuing the real collectives on the job's process group, asynchronously,
-through a `Comm` of its own whose one observer sums each call's exposed seconds (blocked in
-`wait()`, up to the call's end: the thread's wake-up after it is not exposed, as for the
-agent). A unit gathered in forward stays referenced until its backward, as the weights a
-module saves for its backward keep the gathered buffer (buffers.BufferPool), so forward
-gathers get fresh buffers as in a step; stages 0-2's calls read and write one scratch
-buffer (their values do not matter, and the ring runs one call at a time), so the
-rehearsal never holds a second copy of the model. A stage's figure is its step's wall time
-less the calls' exposed seconds: the bookkeeping, the issuing of the calls, and the
-wake-ups after the waits that blocked. Round by round, every stage once a round; the first
-round fills the pools (a run's warm-up steps) and the median of the other `PASSES` counts
-(a run's figure is a median over its steps), fewer past `BUDGET_S`. Every rank runs the
-same rehearsal (the same calls, in the same order, and the same number of rounds), so the
-collectives match; nothing reaches the engine's observers.
+The rehearsal goes through every stage's path with the same definition. It lays the stages
+out with the engine's own functions over the job's layout (layout.py: stand-in parameters
+of the trained ones' shapes) and goes through one optimizer step of each, as often as a
+step does (stage 3: every unit gathered in each forward, counts.forward_gathers, and once
+in backward, with its prefetch, `stage3_prefetch_bucket_size` and
+`stage3_max_live_parameters`, its in-flight bound, twice `reduce_bucket_size`, and its
+persistent parameters' all-reduces; stages 0-2: their buckets), issuing the real
+collectives on the job's process group, asynchronously, through a `Comm` of its own whose
+one observer sums each call's exposed seconds (blocked in `wait()`, up to the call's end:
+the thread's wake-up after it is not exposed, as for the agent). A unit gathered in forward
+stays referenced until its backward, as the weights a module saves for its backward keep
+the gathered buffer (buffers.BufferPool), so forward gathers get fresh buffers as in a
+step: stage 3's rehearsal holds the whole model gathered once. Stages 0-2's calls read and
+write one scratch buffer of a bucket (their values do not matter, and the ring runs one
+call at a time). A stage's figure is its step's wall time less the calls' exposed seconds:
+the bookkeeping, the issuing of the calls, and the wake-ups after the waits that blocked.
+Round by round, every stage once a round; the first round fills the pools (a run's warm-up
+steps) and the median of the other `PASSES` counts (a run's figure is a median over its
+steps), fewer past `BUDGET_S`. Every rank runs the same rehearsal (the same calls, in the
+same order, and the same number of rounds), so the collectives match; nothing reaches the
+engine's observers.
 
 What it leaves out: the hook dispatch inside the model's forward and backward, and the
 compute that runs in a step between a call's issue and its wait. That cuts both ways:
 where a step's calls complete during compute (stage 1's reduce-scatters, issued in
 backward and waited for after it) the rehearsal's waits block where the step's do not and
 it overstates the path; where compute keeps the cores busy when a wait ends (stage 3,
-gathering just ahead of use) a step's wake-ups take longer and it understates it. The
-parameters' tensors are put back as they were: training is unchanged.
+gathering just ahead of use) a step's wake-ups take longer and it understates it.
 
 On a GPU the host does this bookkeeping ahead of the device's queue and it costs the step
 only where the host falls behind; the doctor does not price it there, and it is not
 rehearsed (None).
-
-Beside the paths, `link_bandwidth` measures the bus bandwidth the job's process group
-reaches with one large message (a reduce-scatter of LINK_PROBE_BYTES, timed as the agent
-times a call): what the doctor compares a run's small collectives with when none of the
-run's own ops carries messages large enough to show it (docs/doctor.md,
-latency_bound_collectives).
 """
 
 from __future__ import annotations
@@ -67,13 +61,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerowatch.config import ZeroConfig
 from zerowatch.engine.buffers import BufferPool
 from zerowatch.engine.comm import Comm, Handle
-from zerowatch.engine.counts import _forward_gathers
 from zerowatch.engine.flat import Segment, bucket
 from zerowatch.engine.hooks import CollectiveRecord, ObserverRegistry
-from zerowatch.engine.stages import ParamList, stage3_units
+from zerowatch.engine.stages import ParamList
+from zerowatch.rehearse.counts import forward_gathers
+from zerowatch.rehearse.layout import Layout
 
 #: Rehearsed steps after a first one (which fills the pools, as a run's warm-up steps do):
 #: their median counts, as the run's own figure is a median over its steps.
@@ -83,12 +77,6 @@ BUDGET_S = 2.0
 #: How long to wait for the last calls' reports after a pass (they come from the backend's
 #: thread just after the calls complete).
 REPORT_TIMEOUT_S = 1.0
-#: The message of the link's probe (nccl-tests "size"): large enough that the fixed
-#: latency of a call is a small part of its time on gloo over loopback (about 2 ms for
-#: 8 MiB between 2 ranks, against 0.1-0.3 ms for a call of a few KiB).
-LINK_PROBE_BYTES = 8 << 20
-#: Timed calls of the link's probe after a first one (the median counts).
-LINK_PROBE_CALLS = 3
 
 
 class _Exposed:
@@ -107,16 +95,6 @@ class _Exposed:
             self.calls += 1
 
 
-class _Latencies:
-    """Each call's latency as the agent counts it: issue to completion."""
-
-    def __init__(self) -> None:
-        self.seconds: list[float] = []
-
-    def on_collective(self, rec: CollectiveRecord) -> None:
-        self.seconds.append(rec.end - rec.start)
-
-
 def _no_grad_hook(*_grads: object) -> None:
     return None
 
@@ -126,26 +104,25 @@ class _Stage3:
     ShardedParams and MicroBatchReducer over the units, with the collectives issued for
     real, and the persistent (small) parameters' all-reduces (BoundaryReducer)."""
 
-    def __init__(self, module: nn.Module, units: list[Segment], roots: list[nn.Module],
-                 zc: ZeroConfig, comm: Comm, *, world_size: int, persistent: _Bucketed,
-                 device: torch.device, dtype: torch.dtype) -> None:  # fmt: skip
+    def __init__(self, layout: Layout, units: list[Segment], roots: list[nn.Module], comm: Comm,
+                 *, persistent: _Bucketed) -> None:  # fmt: skip
+        zc, device, dtype = layout.zc, layout.device, layout.dtype
         self.units, self.comm, self.persistent = units, comm, persistent
         self.prefetch_numel = int(zc.stage3_prefetch_bucket_size)
         self.max_live_numel = int(zc.stage3_max_live_parameters)
         self.max_inflight = max(2 * int(zc.reduce_bucket_size), 1)
-        extra = max(_forward_gathers(module, units, roots, zc) - len(units), 0)
+        extra = max(forward_gathers(layout, units, roots) - len(units), 0)
         # Forward: every unit in layout order (the module tree's), then the units that
         # modules outside their own subtree use again (a tied LM head), as counts.py counts.
         self.forward_order = list(range(len(units))) + list(range(min(extra, len(units))))
         self.saved = [[s.param.data for s in seg.slots] for seg in units]
-        self.sources: list[torch.Tensor] = []
-        self.outputs: list[torch.Tensor] = []
-        with torch.no_grad():
-            for seg, values in zip(units, self.saved, strict=True):
-                flat = torch.empty(seg.padded, device=device, dtype=dtype)
-                seg.flatten_into(flat, list(values))
-                self.sources.append(seg.shard_of(flat).clone())
-                self.outputs.append(torch.empty(seg.shard_numel, device=device, dtype=dtype))
+        # Each rank's part of every unit, the gradients' reduced parts, and the gradients
+        # copied into staging in backward (views of one buffer: their values do not matter).
+        self.sources = [torch.zeros(seg.shard_numel, device=device, dtype=dtype) for seg in units]
+        self.outputs = [torch.empty(seg.shard_numel, device=device, dtype=dtype) for seg in units]
+        grads = torch.zeros(max((seg.padded for seg in units), default=0), device=device,
+                            dtype=dtype)  # fmt: skip
+        self.grads: list[list[torch.Tensor | None]] = [list(seg.views(grads)) for seg in units]
         self.pool = BufferPool(device, dtype)
         self.empty = torch.empty(0, device=device, dtype=dtype)
         self.probe = torch.zeros(1, device=device, dtype=dtype, requires_grad=True)
@@ -203,7 +180,7 @@ class _Stage3:
         for pos, i in enumerate(backward):
             full = self._fetch(backward, pos)
             staging = self.pool.take(self.units[i].padded)
-            self.units[i].flatten_into(staging, list(self.saved[i]))
+            self.units[i].flatten_into(staging, self.grads[i])
             self._release(i, full, keep=False)
             held.pop(i, None)
             h = self.comm.reduce_scatter(self.outputs[i], staging, purpose="grad_reduce",
@@ -222,7 +199,7 @@ class _Stage3:
 
     def run(self, micro_batches: int) -> float:
         """Wall seconds of one optimizer step's path (the collectives' waits included); the
-        parameters are put back as they were."""
+        stand-ins are put back as they were."""
         start = time.perf_counter()
         try:
             for _ in range(micro_batches):
@@ -260,6 +237,10 @@ class _Bucketed:
         self.shard = torch.zeros(max((b.shard_numel for b in buckets), default=0),
                                  device=device, dtype=dtype)  # fmt: skip
         self.pool = BufferPool(device, dtype)
+        #: Each bucket's gradients, copied into staging every micro-batch at stage 2
+        #: (views of one buffer: their values do not matter).
+        self.grads: list[list[torch.Tensor | None]] = [list(b.views(self.gathered))
+                                                       for b in buckets]  # fmt: skip
         self.issued = 0
 
     def _boundary(self) -> None:
@@ -290,9 +271,9 @@ class _Bucketed:
                 shard.add_(out)
             self.pool.give(staging)
 
-        for seg in self.buckets:
+        for seg, grads in zip(self.buckets, self.grads, strict=True):
             staging = self.pool.take(seg.padded)
-            seg.flatten_into(staging, [s.param.data for s in seg.slots])
+            seg.flatten_into(staging, grads)
             shard = self.shard.narrow(0, 0, seg.shard_numel)
             out = shard if fresh else torch.empty_like(shard)
             h = self.comm.reduce_scatter(out, staging, purpose="grad_reduce", async_op=True)
@@ -327,24 +308,21 @@ class _Bucketed:
         return time.perf_counter() - start
 
 
-def management_s(module: nn.Module, params: ParamList, zc: ZeroConfig, *, comm: Comm,
-                 world_size: int, rank: int, gradient_accumulation_steps: int,
-                 device: torch.device, dtype: torch.dtype) -> dict[int, float] | None:  # fmt: skip
+def management_s(layout: Layout, comm: Comm) -> dict[int, float] | None:
     """{stage: seconds per optimizer step of that stage's communication path on the training
     thread, outside the collectives' waits} for stages 0-2 and, where some parameter is
-    sharded at stage 3, stage 3 (the median of its rehearsals: module docstring);
-    None where nothing is rehearsed: one rank, or a GPU (the host runs ahead of the device
-    there and the doctor does not price it). Every rank must call it alike: it
-    communicates.
-
-    Must run before the engine lays out stage 3 (which empties the parameters).
+    sharded at stage 3, stage 3 (the median of its rehearsals: module
+    docstring); None where nothing is rehearsed: one rank, or a GPU (the host runs ahead of
+    the device there and the doctor does not price it). Every rank must call it alike: it
+    communicates, on `comm`'s process group.
     """
-    if world_size <= 1 or device.type != "cpu" or not params:
+    world_size, rank, device, dtype = layout.world_size, layout.rank, layout.device, layout.dtype
+    if world_size <= 1 or device.type != "cpu" or not layout.params:
         return None
-    bucket_numel = max(int(zc.reduce_bucket_size), 1)
-    ga = max(gradient_accumulation_steps, 1)
-    backward_order = list(reversed(params))
-    # The engine's process group, through a Comm of its own: the calls reach this
+    bucket_numel = max(int(layout.zc.reduce_bucket_size), 1)
+    ga = max(layout.gradient_accumulation_steps, 1)
+    backward_order = list(reversed(layout.params))
+    # The job's process group, through a Comm of its own: the calls reach this
     # rehearsal's observer only (their exposed seconds, as the agent would count them).
     exposed = _Exposed()
     registry = ObserverRegistry()
@@ -358,14 +336,10 @@ def management_s(module: nn.Module, params: ParamList, zc: ZeroConfig, *, comm: 
                          dtype=dtype)  # fmt: skip
 
     paths: dict[int, Any] = {stage: bucketed(stage, backward_order) for stage in (0, 1, 2)}
-    threshold = int(zc.stage3_param_persistence_threshold)
-    big = {id(t[1]): t for t in params if t[1].numel() >= threshold}
-    if big:
-        units, roots = stage3_units(module, big, world_size, rank, max_numel=bucket_numel)
-        persistent = [t for t in params if t[1].numel() < threshold]
-        paths[3] = _Stage3(module, units, roots, zc, quiet, world_size=world_size,
-                           persistent=bucketed(0, list(reversed(persistent))),
-                           device=device, dtype=dtype)  # fmt: skip
+    units, roots = layout.stage3_units(bucket_numel, rank)
+    if units:
+        paths[3] = _Stage3(layout, units, roots, quiet,
+                           persistent=bucketed(0, list(reversed(layout.persistent()))))  # fmt: skip
     # Round by round, every stage once, so that a spell of other work on the host falls on
     # the stages alike; the first round fills the pools (a run's warm-up steps).
     seconds: dict[int, list[float]] = {stage: [] for stage in paths}
@@ -394,31 +368,4 @@ def management_s(module: nn.Module, params: ParamList, zc: ZeroConfig, *, comm: 
     return {stage: max(statistics.median(got[1:]), 0.0) for stage, got in seconds.items()}
 
 
-def link_bandwidth(*, comm: Comm, world_size: int, device: torch.device,
-                   dtype: torch.dtype) -> dict[str, Any] | None:  # fmt: skip
-    """{"op": "reduce_scatter", "message_bytes", "latency_s", "busbw"}: the median of
-    LINK_PROBE_CALLS synchronous reduce-scatters of LINK_PROBE_BYTES on the job's process
-    group, after a first one, with nccl-tests' bus bandwidth (bytes / latency x (n-1)/n).
-    None where nothing is rehearsed (one rank, a GPU: module docstring). Every rank must
-    call it alike: it communicates."""
-    if world_size <= 1 or device.type != "cpu":
-        return None
-    numel = LINK_PROBE_BYTES // torch.empty((), dtype=dtype).element_size()
-    numel -= numel % world_size
-    source = torch.zeros(numel, device=device, dtype=dtype)
-    out = torch.empty(numel // world_size, device=device, dtype=dtype)
-    timed = _Latencies()
-    registry = ObserverRegistry()
-    registry.add(timed)
-    quiet = Comm(registry, group=comm.group)
-    for _ in range(LINK_PROBE_CALLS + 1):
-        quiet.reduce_scatter(out, source, purpose="other")
-    # Synchronous calls report before they return.
-    latency = statistics.median(timed.seconds[1:])
-    nbytes = numel * source.element_size()
-    busbw = nbytes / latency * (world_size - 1) / world_size  # nccl-tests' reduce-scatter
-    return {"op": "reduce_scatter", "message_bytes": nbytes, "latency_s": latency,
-            "busbw": busbw}  # fmt: skip
-
-
-__all__ = ["BUDGET_S", "LINK_PROBE_BYTES", "PASSES", "link_bandwidth", "management_s"]
+__all__ = ["BUDGET_S", "PASSES", "management_s"]
