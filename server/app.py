@@ -2,11 +2,13 @@
 
 The app owns, on `app.state`: the `Settings`, the `Database` (opened and migrated when the
 app is created), the `Ingestor` (group commit, ingest.py), the `HeartbeatWriter`
-(heartbeats.py), the rollup `Compactor` (read/rollups.py), the `ReadGate` (read_gate.py:
+(heartbeats.py), the `RollupWorker` (read/rollups/worker.py), the `ReadGate` (read_gate.py:
 the writers wait while reads run) and the `Admission` bound on what agents POST
-(admission.py). The events door (ingest_path.py) sits in front of the middleware stack
-(`App.__call__`) and answers agents' event batches; every other request goes through
-FastAPI. Nothing a read answers lives only in this process: /metrics, run status and pages
+(admission.py). The read model's caches belong to the `Database` (`db.caches`, tuned by
+`Settings.read`: read/rollups/caches.py), which hands them to the ingest writer, the store,
+the worker and the readers. The events door (ingest_path.py) sits in front of the
+middleware stack (`App.__call__`) and answers agents' event batches; every other request
+goes through FastAPI. Nothing a read answers lives only in this process: /metrics, run status and pages
 come from the database, so several server processes (`zerowatch serve --workers N`, or
 servers on one PostgreSQL database behind a load balancer) answer alike. Routes: the JSON
 API (api.py) under /api/v1, `/metrics`, `/healthz`, `/docs`, and the HTML pages
@@ -52,7 +54,7 @@ from zerowatch.server.heartbeats import HeartbeatWriter
 from zerowatch.server.ingest import Ingestor
 from zerowatch.server.ingest_path import IngestFastPath
 from zerowatch.server.metrics import exposition
-from zerowatch.server.read.rollups import Compactor, Retention
+from zerowatch.server.read.rollups import Retention, RollupWorker
 from zerowatch.server.read_gate import ReadGate, ReadGateMiddleware
 from zerowatch.server.security import SecurityHeadersMiddleware
 from zerowatch.server.settings import Settings, SettingsError, get_settings
@@ -193,9 +195,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         The FastAPI application (serve it with uvicorn).
     """
     settings = settings or get_settings()
-    db = Database.open(settings.db_url)
-    gate = ReadGate()
-    compactor = Compactor(
+    db = Database.open(settings.db_url, tuning=settings.read)
+    gate = ReadGate(max_wait_s=settings.read.gate_max_wait_s)
+    rollup_worker = RollupWorker(
         db,
         gate=gate,
         interval_s=settings.rollup_interval_s,
@@ -208,7 +210,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        compactor.start()
+        rollup_worker.start()
         # What start-up built (modules, the schema, the app) lives as long as the process:
         # keep it out of the collector's full passes, which would otherwise walk all of it
         # now and then in the middle of a request (some 65 ms on a query's p95).
@@ -226,7 +228,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         gc.unfreeze()  # an app that ends (tests start many) leaves nothing pinned behind
         ingestor.close()
         await run_in_threadpool(beats.close)
-        await run_in_threadpool(compactor.close)
+        await run_in_threadpool(rollup_worker.close)
         db.close()
 
     app = App(
@@ -239,7 +241,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.db = db
-    app.state.compactor = compactor
+    app.state.rollup_worker = rollup_worker
     app.state.ingestor = ingestor = Ingestor(
         db, trace_sample_every=settings.trace_sample_every, gate=gate
     )

@@ -25,7 +25,7 @@ import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from alembic.config import Config
@@ -35,6 +35,9 @@ from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import StaticPool
 from zerowatch.server.models import Base
+
+if TYPE_CHECKING:
+    from zerowatch.server.read.rollups import ReadCaches, ReadTuning
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
@@ -126,18 +129,27 @@ def migrate(engine: Engine) -> None:
 
 
 class Database:
-    """The engine plus what the server keeps about it: the dialect and the write lock."""
+    """The engine plus what the server keeps about it: the dialect, the write lock and the
+    read model's caches (`caches`: server/read/rollups/caches.py), which every connection of
+    the engine carries."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, tuning: ReadTuning | None = None) -> None:
+        # Imported here: the read package imports this module.
+        from zerowatch.server.read.rollups import ReadCaches, ReadTuning
+
         self.engine = engine
         self.dialect = engine.dialect.name
         self._write_lock: threading.Lock | None = (
             threading.Lock() if self.dialect == "sqlite" else None
         )
+        self.caches: ReadCaches = ReadCaches.attach(engine, tuning or ReadTuning())
 
     @classmethod
-    def open(cls, url: str, *, migrate_schema: bool = True) -> Database:
-        """Connect to `url` and bring its schema up to date."""
+    def open(
+        cls, url: str, *, migrate_schema: bool = True, tuning: ReadTuning | None = None
+    ) -> Database:
+        """Connect to `url` and bring its schema up to date; `tuning`: the read path's
+        (default `ReadTuning()`)."""
         engine = make_engine(url)
         if migrate_schema:
             migrate(engine)
@@ -146,7 +158,7 @@ class Database:
                 wrote = _planner_stats(conn)
             if wrote and not isinstance(engine.pool, StaticPool):
                 engine.dispose()  # pooled connections loaded the schema without them
-        return cls(engine)
+        return cls(engine, tuning=tuning)
 
     @contextlib.contextmanager
     def write(self) -> Iterator[Connection]:

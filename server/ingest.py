@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 
 from zerowatch.server import store
 from zerowatch.server.db import Database
-from zerowatch.server.read import fresh
 from zerowatch.server.read_gate import ReadGate
 
 from zerowatch import events as ev
@@ -77,7 +76,8 @@ class Ingestor:
         self.db = db
         #: Reads in flight that the writer steps aside for (read_gate.py); None: never.
         self.gate = gate
-        self.fresh = fresh.of(db.engine)
+        #: The fresh-steps cache the writer hands committed rank-steps to (the database's).
+        self.fresh = db.caches.fresh
         self.trace_sample_every = trace_sample_every
         self.max_group = max_group
         self.max_group_events = max_group_events
@@ -198,14 +198,14 @@ class Ingestor:
                 self._keep(kept)
 
     def _keep(self, kept: list[store.StoredRankStep]) -> None:
-        """Hand the group's committed rank-steps to the compactor's cache (read/fresh.py),
+        """Hand the group's committed rank-steps to the fresh-steps cache (read/rollups/fresh.py),
         after their requests were answered."""
         try:
             self.fresh.add(
                 [row for row, _ in kept], [colls for _, colls in kept],
                 row_columns=store.STEP_COLUMNS, coll_columns=store.COLLECTIVE_COLUMNS,
             )  # fmt: skip
-        except Exception:  # a shortcut for the compactor: never worth the writer's life
+        except Exception:  # a shortcut for the roll-up worker: never worth the writer's life
             log.exception("keeping fresh rank-steps")
 
     def _write_group(self, group: list[_Job]) -> list[store.StoredRankStep]:

@@ -17,22 +17,23 @@ storage is the *rank-step*, never the individual collective call:
 - `runs` and `run_tags`: one row per job, its tags one row each (for the tag filter).
 - `step_rollups`: the read model. One row per (run, step, metric): the distribution of that
   metric over the step's ranks (n, min, p10, p50, p90, max, mean, the ranks at the min and
-  the max, and the ranks at both ends). Written by the compactor (rollups.py) from the
-  per-rank rows; every read that is not about named ranks reads these, so its cost follows
-  steps, not steps x ranks.
+  the max, and the ranks at both ends). Written by the roll-up worker (read/rollups/) from
+  the per-rank rows; every read that is not about named ranks reads these, so its cost
+  follows steps, not steps x ranks.
 - `dirty_steps`: (run, step) pairs whose per-rank rows changed since their rollup was
-  written, with a version that every ingest bumps (the compactor clears a mark only if the
-  version it read is still there, so a late rank is never lost).
+  written, with a version that every ingest bumps (the roll-up worker clears a mark only if
+  the version it read is still there, so a late rank is never lost).
 - `fresh_blocks`: with several server processes, the metric columns of fresh rank-steps
-  that one process converted for another's compactor (read/fresh.py), a row per group of
-  rank-steps; a cache in the database, deleted once that compactor has taken it.
+  that one process converted for another's roll-up worker (read/rollups/shared_blocks.py),
+  a row per group of rank-steps; a cache in the database, deleted once that worker has
+  taken it.
 - `heartbeats`: the newest heartbeat of each rank (its last step, phase, flight recorder and,
   once stalled, its training thread's stack), replaced as they come: what the hang and
   desync findings read (read/forensics.py).
 - `checkpoints`: each rank's checkpoint saves and loads (seconds, bytes, the step), keyed
   by the event that carried them; with `runs.job` (the runs of one job across restarts)
   what the job view and its goodput read (read/jobs.py).
-- `run_totals`: per run, running totals the compactor keeps by deltas (steps skipped or
+- `run_totals`: per run, running totals the roll-up worker keeps by deltas (steps skipped or
   non-finite, the latency histogram of each collective op summed over ranks): /metrics
   reads them in one query whatever the run's length.
 
@@ -229,7 +230,7 @@ class StepRollup(Base):
     mean: Mapped[float] = mapped_column(Float)
     min_rank: Mapped[int] = mapped_column(Integer)
     max_rank: Mapped[int] = mapped_column(Integer)
-    #: {"hi": [[rank, value], ...], "lo": [...]}: the ranks at both ends (rollups.TOP_K
+    #: {"hi": [[rank, value], ...], "lo": [...]}: the ranks at both ends (ReadTuning.top_k
     #: each), for outlier tables and /metrics' per-rank series; for a collective op's
     #: latency also "hist": the step's latency histogram summed over ranks.
     extra: Mapped[dict[str, Any]] = mapped_column(JSON)
@@ -246,14 +247,14 @@ class DirtyStep(Base):
     run: Mapped[int] = mapped_column(Integer, primary_key=True)
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     version: Mapped[int] = mapped_column(BigInteger)
-    #: Server time of the newest mark: the compactor rolls a step up once no rank has
+    #: Server time of the newest mark: the roll-up worker rolls a step up once no rank has
     #: written to it for a while (its ranks have arrived).
     since: Mapped[float] = mapped_column(Float)
 
 
 class FreshBlock(Base):
     """Fresh rank-steps of one run, as metric columns, published by the server process that
-    stored them for the one that rolls the run up (read/fresh.py: `pack`)."""
+    stored them for the one that rolls the run up (read/rollups/shared_blocks.py: `pack`)."""
 
     __tablename__ = "fresh_blocks"
 
@@ -269,7 +270,7 @@ class FreshBlock(Base):
 
 
 class RunTotal(Base):
-    """A running total of one run, kept by the compactor (see the module docstring)."""
+    """A running total of one run, kept by the roll-up worker (see the module docstring)."""
 
     __tablename__ = "run_totals"
 

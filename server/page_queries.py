@@ -216,7 +216,7 @@ def _outliers(db: Database, pk: int, world: int, last: int) -> list[dict[str, An
 
 def distribution(st: Stats, step: int) -> RankDistribution:
     """A metric's distribution over ranks at one step, from its rollup with the outlier
-    lists (`extra`): every rank where the lists hold them all (up to 2 x rollups.TOP_K
+    lists (`extra`): every rank where the lists hold them all (up to 2 x ReadTuning.top_k
     ranks), else the lowest and highest ranks with the p10, median and p90 between."""
     lo = sorted((float(v), int(r)) for r, v in st.extra.get("lo", []))
     hi = sorted((float(v), int(r)) for r, v in st.extra.get("hi", []))

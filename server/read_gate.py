@@ -1,16 +1,16 @@
-"""Reads first: the ingest writer and the compactor step aside while a page or a read runs.
+"""Reads first: the ingest writer and the roll-up worker step aside while a page or a read runs.
 
-One server process runs its event loop, the ingest writer thread, the rollup compactor
+One server process runs its event loop, the ingest writer thread, the roll-up worker
 thread and the reads (pages, the API, /metrics: FastAPI's thread pool) under one GIL. In a
-recovery storm the writer and the compactor have work for minutes, and a run page that
+recovery storm the writer and the roll-up worker have work for minutes, and a run page that
 needs half a second of CPU got a third of it and took tens of seconds (bench/faults.py:
 p95 39–48 s at 1,024 and 4,096 ranks). A person looking at the page, or Prometheus
 scraping, should not wait behind a backlog that nobody is waiting for.
 
 `ReadGate` counts the reads in flight (`ReadGateMiddleware`: every GET and HEAD). The
-writer, before it takes its next group, and the compactor, before each chunk of steps,
+writer, before it takes its next group, and the roll-up worker, before each chunk of steps,
 call `yield_to_reads()`: while reads are in flight it waits until they are done, for at
-most `max_wait_s` (50 ms) at a time, so ingest slows down under a stream of reads but
+most `max_wait_s` (`ReadTuning.gate_max_wait_s`, 50 ms) at a time, so ingest slows down under a stream of reads but
 never stops. What the writer does not take meanwhile waits in its queue (bounded by
 admission.py, which sheds the excess with Retry-After) and joins a larger group.
 
@@ -18,7 +18,7 @@ A read request also sees one view of each step that is still being rolled up
 (`request_view`): a run page reads the newest steps' rollups several times (its charts, its
 memory and outlier panels, the doctor), and during a backlog every write bumps those steps'
 marks, so each read computed the same steps from their rows again (up to
-rollups.MAX_LIVE_RANK_STEPS each; a run page took 14–22 s in a 1,024-rank storm). Within
+`ReadTuning.max_live_rank_steps` each; a run page took 14–22 s in a 1,024-rank storm). Within
 one request a dirty step is computed once, as of the first read that needs it, and every
 later read of the request uses that: one page, one consistent picture.
 """
@@ -29,15 +29,15 @@ import threading
 from contextvars import ContextVar
 from typing import Any
 
-#: Longest a writer or compactor waits for reads, per unit of work.
-MAX_WAIT_S = 0.05
 _READS = frozenset({"GET", "HEAD"})
 
 
 class ReadGate:
     """Reads in flight, and a wait for them to be done (thread-safe)."""
 
-    def __init__(self, max_wait_s: float = MAX_WAIT_S) -> None:
+    def __init__(self, *, max_wait_s: float) -> None:
+        """`max_wait_s`: the longest a writer waits per unit of work (the app passes
+        `Settings.read.gate_max_wait_s`)."""
         self.max_wait_s = max_wait_s
         self._cond = threading.Condition()
         self._reads = 0
@@ -73,8 +73,8 @@ _VIEW: ContextVar[dict[tuple[int, int], Any] | None] = ContextVar("zerowatch_vie
 
 
 def request_view() -> dict[tuple[int, int], Any] | None:
-    """The current read request's rollups of dirty steps (rollups._live fills it), or None
-    outside a request (the compactor, tests calling the reads directly)."""
+    """The current read request's rollups of dirty steps (read/rollups/reader.py fills it), or None
+    outside a request (the roll-up worker, tests calling the reads directly)."""
     return _VIEW.get()
 
 
@@ -100,4 +100,4 @@ class ReadGateMiddleware:
             self.gate.leave()
 
 
-__all__ = ["MAX_WAIT_S", "ReadGate", "ReadGateMiddleware", "request_view"]
+__all__ = ["ReadGate", "ReadGateMiddleware", "request_view"]

@@ -8,9 +8,11 @@ caches that so the app, `/metrics` and the pages agree on one object.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from typing import Any
+
+from zerowatch.server.read.rollups.tuning import ReadTuning
 
 DEFAULT_DB_URL = "sqlite:///./zerowatch.db"
 
@@ -81,6 +83,9 @@ class Settings:
     #: closed (`zerowatch serve`; server/edge.py).
     head_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
+    #: The read path's tuning: sizes, ages, batches and lock ids of the rollups and their
+    #: caches (server/read/rollups/tuning.py; not read from the environment).
+    read: ReadTuning = field(default_factory=ReadTuning)
 
     def __post_init__(self) -> None:
         if not self.db_url:
@@ -113,6 +118,8 @@ class Settings:
         env = dict(os.environ if env is None else env)
         values: dict[str, Any] = {}
         for f in fields(cls):
+            if f.name == "read":
+                continue
             raw = env.get(f"ZEROWATCH_{f.name.upper()}")
             if raw is None:
                 continue

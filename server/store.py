@@ -37,7 +37,6 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from zerowatch.server import models as m
 from zerowatch.server.bulk import TupleInsert
 from zerowatch.server.db import Database
-from zerowatch.server.read import fresh
 
 from zerowatch import events as ev
 
@@ -240,7 +239,7 @@ def delete_run(db: Database, *, run_id: str) -> bool:
         ):  # fmt: skip
             conn.execute(delete(table).where(table.c.run == ref.pk))
         conn.execute(delete(m.runs).where(m.runs.c.id == ref.pk))
-    fresh.of(db.engine).forget_run(ref.pk)
+    db.caches.fresh.forget_run(ref.pk)
     return True
 
 
@@ -494,7 +493,8 @@ def ingest_many(
     """Write several batches inside the caller's transaction, with one statement per table.
 
     `kept`, when given, gets the rows of every newly stored rank-step (the ingest writer
-    hands them to read/fresh.py once the transaction is committed).
+    hands them to the fresh-steps cache, read/rollups/fresh.py, once the transaction is
+    committed).
 
     Each batch is validated first: a bad one gets its BatchError in the returned list and
     writes nothing; the others are written together (their rows in one multi-row INSERT per
@@ -642,7 +642,8 @@ def _bump_ranks(conn: Connection, st: _Statements, new: list[tuple[int, ev.StepE
 def _mark_dirty(
     conn: Connection, st: _Statements, new: list[tuple[int, ev.StepEvent]], now: float
 ) -> None:
-    """Mark the steps that got new rank rows: their rollups are stale (read/rollups.py)."""
+    """Mark the steps that got new rank rows: their rollups are stale (read/rollups/:
+    invariant 1 of its docstring)."""
     keys = sorted({(pk, e.step) for pk, e in new})
     if keys:
         rows = [(pk, step, 1, now) for pk, step in keys]

@@ -1,8 +1,8 @@
 """Reads: the one read model every page, API route, /metrics, alert input and the doctor use.
 
 Each module is one concept: `vocabulary` (metric names, units, how a rank-step's value is
-read), `rollups` (per-step statistics over ranks and their compactor), `fresh` (the
-metric columns of rank-steps this process just stored: the compactor's shortcut), `runs`
+read), `rollups` (a package: per-step statistics over ranks, where each value comes from
+and why it is right, the roll-up worker and the caches the `Database` owns), `runs`
 (the run resource, ranks and hosts, recent figures), `series` (a metric over steps: rank
 statistics or selected ranks; breakdown, heatmap, outliers), `compare` (runs side by
 side), `trace` (Chrome-trace export), `jobs` (a run's checkpoint calls; the runs of one
@@ -19,7 +19,7 @@ shadow its modules: `series.series`, `compare.compare`, `trace.trace`, `doctor.f
 and the others are reached through their modules.
 """
 
-from zerowatch.server.read.rollups import Compactor, Retention
+from zerowatch.server.read.rollups import Retention, RollupWorker
 from zerowatch.server.read.runs import get_run, hosts_of, list_runs, ranks_of, run_record
 from zerowatch.server.read.series import (
     BadSelection,
@@ -32,8 +32,8 @@ from zerowatch.server.read.vocabulary import UnknownMetric, metric_unit
 
 __all__ = [
     "BadSelection",
-    "Compactor",
     "Retention",
+    "RollupWorker",
     "Selection",
     "UnknownMetric",
     "get_run",

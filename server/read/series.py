@@ -184,7 +184,7 @@ def outliers(
     """The `k` ranks that stand out in the range, from the rollups' outlier lists
     (`live=False`: the stored rollups alone, see rollups.read).
 
-    A rank's score is how many steps it sits among a step's outliers (the `TOP_K` highest,
+    A rank's score is how many steps it sits among a step's outliers (the `ReadTuning.top_k` highest,
     or lowest where `low`), then its mean value there: a rank slow in every step comes
     first. Metrics without outlier lists fall back to the rank at each step's max (min).
 

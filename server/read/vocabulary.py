@@ -323,7 +323,7 @@ def rank_table(
     rank-step, NaN where it has no finite value. `rows[i]` is a steps row (a mapping by
     column name, JSON columns decoded), `colls[i]` its collectives rows. With `row_index`
     / `coll_index` ({column: position}) the rows are tuples instead (the ingest writer's,
-    read/fresh.py).
+    read/rollups/fresh.py).
 
     The one definition of a rank-step's metrics (`rank_values_of` is this as one dict per
     rank-step). The compactor calls it with a step's thousands of rows: each column is converted to an

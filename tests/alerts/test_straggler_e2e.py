@@ -21,7 +21,7 @@ from support.prometheus import PrometheusError, prometheus
 from zerowatch.alerts import AlertSettings, render_rules
 from zerowatch.server import store
 from zerowatch.server.db import Database
-from zerowatch.server.read.rollups import Compactor
+from zerowatch.server.read.rollups import RollupWorker as Compactor
 
 from zerowatch import events as ev
 from zerowatch import simulate

@@ -10,7 +10,7 @@ import pytest
 from charts import assert_all_drawn
 from zerowatch.server import store
 from zerowatch.server.db import Database
-from zerowatch.server.read.rollups import Compactor
+from zerowatch.server.read.rollups import RollupWorker as Compactor
 
 from zerowatch import events as ev
 from zerowatch import simulate as sim

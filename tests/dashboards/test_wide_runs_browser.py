@@ -17,7 +17,7 @@ from charts import assert_all_drawn, charts
 from support.screenshots import screenshot
 from zerowatch.server import store
 from zerowatch.server.db import Database
-from zerowatch.server.read.rollups import Compactor
+from zerowatch.server.read.rollups import RollupWorker as Compactor
 
 from zerowatch import events as ev
 from zerowatch import simulate as sim

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from support.postgres import postgres, postgres_available
 from zerowatch.server.app import create_app
 from zerowatch.server.db import Database
+from zerowatch.server.read.rollups import ReadTuning
 from zerowatch.server.settings import Settings
 
 
@@ -42,6 +43,21 @@ def db(db_url: str) -> Iterator[Database]:
     database = Database.open(db_url)
     yield database
     database.close()
+
+
+@pytest.fixture
+def tuned_db(db_url: str) -> Iterator[Any]:
+    """Open the test's database with some of the read path's tuning changed:
+    `tuned_db(max_live_rank_steps=24)` (closed at the end of the test)."""
+    opened: list[Database] = []
+
+    def open_(**tuning: Any) -> Database:
+        opened.append(Database.open(db_url, tuning=ReadTuning(**tuning)))
+        return opened[-1]
+
+    yield open_
+    for database in opened:
+        database.close()
 
 
 @pytest.fixture

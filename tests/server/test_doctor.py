@@ -14,7 +14,7 @@ from zerowatch.server import store
 from zerowatch.server.db import Database
 from zerowatch.server.read import doctor
 from zerowatch.server.read.doctor_settings import DoctorSettings, DoctorSettingsError
-from zerowatch.server.read.rollups import Compactor
+from zerowatch.server.read.rollups import RollupWorker
 
 from zerowatch import events as ev
 from zerowatch import predict, simulate
@@ -47,7 +47,7 @@ def _store(
         if mutate is not None:
             events = [mutate(e) for e in events]
         store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, events))
-    Compactor(db).flush()
+    RollupWorker(db).flush()
     return rc.run_id
 
 

@@ -1,4 +1,4 @@
-"""The compactor's shortcut (read/fresh.py): steps rolled up from the metric columns the
+"""The roll-up worker's shortcut (read/rollups/fresh.py): steps rolled up from the metric columns the
 ingest writer kept equal, to the last bit, the rollups computed from the stored rows, with
 late, missing and replayed ranks and with rank-steps another server process stored, on
 SQLite and PostgreSQL; the rows are used wherever the cache does not hold every rank-step."""
@@ -13,7 +13,10 @@ import pytest
 from zerowatch.server import store
 from zerowatch.server.db import Database
 from zerowatch.server.ingest import Ingestor
-from zerowatch.server.read import fresh, rollups
+from zerowatch.server.read import rollups
+from zerowatch.server.read.rollups import ReadTuning, fresh, reader
+from zerowatch.server.read.rollups.columns import N_BUCKETS, Block
+from zerowatch.server.read.rollups.shared_blocks import pack, unpack
 
 from zerowatch import events as ev
 from zerowatch import simulate
@@ -22,12 +25,15 @@ SPEC = simulate.SimSpec(world_size=6, stage=3, offload_optimizer=True, straggler
                         spans_every=3)  # fmt: skip
 
 
-def _from_rows(db: Database, pk: int, steps: list[int], monkeypatch: pytest.MonkeyPatch) -> dict:
-    """`rollups.compute` with an empty cache: every step from its rows."""
-    with monkeypatch.context() as mp:
-        mp.setattr(fresh, "of", lambda _engine: fresh.FreshSteps())
-        with db.read() as conn:
+def _from_rows(db: Database, pk: int, steps: list[int]) -> dict:
+    """`rollups.compute` through another handle on the database, whose cache is empty: every
+    step from its rows."""
+    other = Database.open(db.engine.url.render_as_string(hide_password=False))
+    try:
+        with other.read() as conn:
             return rollups.compute(conn, pk, steps)
+    finally:
+        other.close()
 
 
 def _events(rng: random.Random, steps: int) -> list[ev.StepEvent]:
@@ -72,11 +78,11 @@ def test_rollups_from_the_writers_columns_equal_those_from_the_rows(
     finally:
         second.close()
 
-    cache = fresh.of(db.engine)
+    cache = db.caches.fresh
     steps = list(range(8))
     with db.read() as conn:
         got = rollups.compute(conn, pk, steps)
-    want = _from_rows(db, pk, steps, monkeypatch)
+    want = _from_rows(db, pk, steps)
     assert sorted(got) == sorted(want) == steps
     for step in steps:
         assert got[step].keys() == want[step].keys(), step
@@ -89,7 +95,7 @@ def test_rollups_from_the_writers_columns_equal_those_from_the_rows(
     assert got[6]["step_time_s"].n == SPEC.world_size
     assert got[2]["step_time_s"].n == SPEC.world_size - 1
 
-    compactor = rollups.Compactor(db)
+    compactor = rollups.RollupWorker(db)
     assert compactor.flush() == 8
     assert len(cache) == 0  # rolled up: forgotten
     with db.read() as conn:
@@ -100,15 +106,15 @@ def test_rollups_from_the_writers_columns_equal_those_from_the_rows(
 
 
 def test_a_full_cache_keeps_no_more_rank_steps_and_their_steps_take_the_rows(
-    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+    sqlite_url: str,
 ) -> None:
-    db = Database.open(sqlite_url)
+    # Room for three steps; every group converted at once.
+    tuning = ReadTuning(fresh_max_rank_steps=3 * SPEC.world_size, fresh_convert_rows=1)
+    db = Database.open(sqlite_url, tuning=tuning)
     try:
         rc = simulate.run_create(SPEC)
         pk, _ = store.create_run(db, run=rc)
-        cache = fresh.of(db.engine)
-        cache.max_rank_steps = 3 * SPEC.world_size
-        cache.convert_rows = 1  # every group converted at once
+        cache = db.caches.fresh
         ingestor = Ingestor(db)
         try:
             for s in range(5):
@@ -121,21 +127,20 @@ def test_a_full_cache_keeps_no_more_rank_steps_and_their_steps_take_the_rows(
             got = rollups.compute(conn, pk, range(5))
         # Steps 0-2 filled it; steps 3 and 4 were not kept.
         assert (cache.hits, cache.misses, cache.refused) == (3, 2, 2 * SPEC.world_size)
-        want = _from_rows(db, pk, list(range(5)), monkeypatch)
+        want = _from_rows(db, pk, list(range(5)))
         assert got == want
     finally:
         db.close()
 
 
 def test_steps_older_than_max_age_are_forgotten(sqlite_url: str) -> None:
-    """With several server processes another one's compactor may roll a step up: this
-    process's copy of it goes after `max_age_s`, not never."""
-    db = Database.open(sqlite_url)
+    """With several server processes another one's worker may roll a step up: this
+    process's copy of it goes after `fresh_max_age_s`, not never."""
+    db = Database.open(sqlite_url, tuning=ReadTuning(fresh_convert_rows=1))
     try:
         rc = simulate.run_create(SPEC)
         store.create_run(db, run=rc)
-        cache = fresh.of(db.engine)
-        cache.convert_rows = 1
+        cache = db.caches.fresh
         ingestor = Ingestor(db)
         try:
             batch = [simulate.step_event(SPEC, r, 0) for r in range(SPEC.world_size)]
@@ -162,13 +167,13 @@ def test_a_dirty_step_is_computed_once_per_version_of_its_mark(
     first = [simulate.step_event(SPEC, r, s) for s in range(3) for r in range(SPEC.world_size - 1)]
     store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, first))
     computed: list[list[int]] = []
-    compute = rollups.compute
+    compute = reader.compute
 
     def counted(conn, pk_, steps, **kw):  # type: ignore[no-untyped-def]
         computed.append(sorted(steps))
         return compute(conn, pk_, steps, **kw)
 
-    monkeypatch.setattr(rollups, "compute", counted)
+    monkeypatch.setattr(reader, "compute", counted)
     with db.read() as conn:
         a = rollups.read(conn, pk, ["step_time_s"])
         b = rollups.read(conn, pk, ["step_time_s", "busy_s"])
@@ -191,15 +196,15 @@ def test_a_dirty_step_is_computed_once_per_version_of_its_mark(
 def test_a_step_rolled_up_in_the_middle_of_a_read_is_not_lost(
     db: Database, monkeypatch: pytest.MonkeyPatch, when: str
 ) -> None:
-    """The compactor commits between two statements of a read (just before or just after
+    """The worker commits between two statements of a read (just before or just after
     the dirty marks are read): the step is still read, from its rows or its rollups, with
     every metric."""
     rc = simulate.run_create(SPEC)
     pk, _ = store.create_run(db, run=rc)
     events = [simulate.step_event(SPEC, r, 0) for r in range(SPEC.world_size)]
     store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, events))
-    compactor = rollups.Compactor(db)
-    marks = rollups.dirty_versions
+    compactor = rollups.RollupWorker(db)
+    marks = reader.dirty_versions
 
     def then_compact(conn, pk_, **kw):  # type: ignore[no-untyped-def]
         if when == "before":
@@ -209,7 +214,7 @@ def test_a_step_rolled_up_in_the_middle_of_a_read_is_not_lost(
             assert compactor.flush() == 1
         return got
 
-    monkeypatch.setattr(rollups, "dirty_versions", then_compact)
+    monkeypatch.setattr(reader, "dirty_versions", then_compact)
     with db.read() as conn:
         got = rollups.read(conn, pk, None, steps_in=[0])
     assert got["step_time_s"][0].n == SPEC.world_size
@@ -253,8 +258,8 @@ def test_rank_steps_another_process_published_are_used_like_its_own(
     db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two server processes on one database: the one that does not roll the run up shares
-    it (its compactor found the run claimed), so what it held and what it stores from then
-    on is published; the other's compactor takes that into its cache and matches it by
+    it (its worker found the run claimed), so what it held and what it stores from then
+    on is published; the other's worker takes that into its cache and matches it by
     (rank, seq) like its own, with the rows of a writer that published nothing, and never a
     published row that a newer one replaced. The rollups equal those from the rows."""
     from sqlalchemy import func, select
@@ -267,19 +272,21 @@ def test_rank_steps_another_process_published_are_used_like_its_own(
     theirs = [e for e in events if e.rank % 2]  # the other process's ranks
     third = {(4, 1), (4, 3)}  # stored without a cache (rows only)
     replaced = (5, 3)  # stored by the other process, then again by this one, newer
-    second = Database.open(db.engine.url.render_as_string(hide_password=False))
+    second = Database.open(
+        db.engine.url.render_as_string(hide_password=False), tuning=ReadTuning(share_delay_s=0)
+    )
     try:
-        other_cache = fresh.of(second.engine)
-        other_cache.share_delay_s = 0.0
+        other_cache = second.caches.fresh
+        assert other_cache.shared is not None
         ingestor = Ingestor(second)
         try:
             early = [e for e in theirs if e.step < 2]
             ingestor.submit(run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, early))
         finally:
             ingestor.close()
-        assert len(other_cache) == len(early) and other_cache.published == 0
+        assert len(other_cache) == len(early) and other_cache.shared.published == 0
         other_cache.share(pk)  # its compactor found the run claimed
-        assert other_cache.published == len(early)
+        assert other_cache.shared.published == len(early)
         late = [e for e in theirs if e.step >= 2 and (e.step, e.rank) not in third]
         ingestor = Ingestor(second)
         try:
@@ -288,7 +295,7 @@ def test_rank_steps_another_process_published_are_used_like_its_own(
         finally:
             ingestor.close()
         other_cache.flush_shared()
-        assert other_cache.published == len(early) + len(late)
+        assert other_cache.shared.published == len(early) + len(late)
         rows_only = [e for e in theirs if (e.step, e.rank) in third]
         store.ingest_batch(second, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, rows_only))
         other_cache.retain(pk, [5])  # the others were rolled up elsewhere
@@ -304,7 +311,7 @@ def test_rank_steps_another_process_published_are_used_like_its_own(
     finally:
         ingestor.close()
 
-    cache = fresh.of(db.engine)
+    cache = db.caches.fresh
     with db.write() as conn:
         assert cache.take_shared(conn, pk) == len(early) + len(late)
     with db.read() as conn:  # taken once
@@ -312,7 +319,7 @@ def test_rank_steps_another_process_published_are_used_like_its_own(
     steps = list(range(6))
     with db.read() as conn:
         got = rollups.compute(conn, pk, steps)
-    want = _from_rows(db, pk, steps, monkeypatch)
+    want = _from_rows(db, pk, steps)
     assert got == want
     # Every step from the columns but step 4, whose two rows-only ranks came from the rows.
     assert (cache.hits, cache.partial, cache.misses) == (5, 1, 0)
@@ -320,7 +327,7 @@ def test_rank_steps_another_process_published_are_used_like_its_own(
         [e.step_time_s for e in events if e.step == 5 and (e.step, e.rank) != replaced]
         + [3 * e.step_time_s for e in events if (e.step, e.rank) == replaced]
     )
-    assert rollups.Compactor(db).flush() == 6
+    assert rollups.RollupWorker(db).flush() == 6
 
 
 def test_pack_gives_back_every_value_and_old_blocks_are_swept(sqlite_url: str) -> None:
@@ -330,16 +337,16 @@ def test_pack_gives_back_every_value_and_old_blocks_are_swept(sqlite_url: str) -
 
     rng = np.random.default_rng(3)
     n = 9
-    hists = {"all_gather": rng.integers(0, 5, (n, fresh.N_BUCKETS)),
-             "all_reduce": rng.integers(0, 2**40, (n, fresh.N_BUCKETS))}  # fmt: skip
+    hists = {"all_gather": rng.integers(0, 5, (n, N_BUCKETS)),
+             "all_reduce": rng.integers(0, 2**40, (n, N_BUCKETS))}  # fmt: skip
     sums = {op: (rng.random(2 * n), rng.integers(0, n, 2 * n)) for op in hists}
     values = rng.random((3, n))
     values[1, 4] = np.nan
-    block = fresh.Block(["a", "b", "c"], values, hists, sums)
+    block = Block(["a", "b", "c"], values, hists, sums)
     at = np.array([1, 4, 7], dtype=np.int64)
     steps, ranks, seqs = np.array([4, 4, 5]), np.array([3, 0, 9]), np.array([2**41, 5, 6])
-    data = fresh.pack(block, at, steps, ranks, seqs)
-    back, got_steps, got_ranks, got_seqs = fresh.unpack(data)
+    data = pack(block, at, steps, ranks, seqs)
+    back, got_steps, got_ranks, got_seqs = unpack(data)
     assert got_steps.tolist() == [4, 4, 5] and got_ranks.tolist() == [3, 0, 9]
     assert got_seqs.tolist() == [2**41, 5, 6] and back.names == ["a", "b", "c"]
     np.testing.assert_array_equal(back.values, values[:, at])
@@ -352,7 +359,7 @@ def test_pack_gives_back_every_value_and_old_blocks_are_swept(sqlite_url: str) -
         np.testing.assert_array_equal(got_lats, lats[sel])
         np.testing.assert_array_equal(at[got_rows], rows[sel])
     with pytest.raises(ValueError, match="holds"):
-        fresh.unpack(data + b"x")
+        unpack(data + b"x")
 
     db = Database.open(sqlite_url)
     try:
@@ -360,7 +367,10 @@ def test_pack_gives_back_every_value_and_old_blocks_are_swept(sqlite_url: str) -
         with db.write() as conn:
             for created in (1.0, 1000.0):
                 conn.execute(insert(b).values(run=1, n=3, created=created, data=data))
-        assert rollups.Compactor(db).sweep_shared(1000.0 + fresh.MAX_AGE_S - 1) == 1
+        assert (
+            rollups.RollupWorker(db).sweep_shared(1000.0 + db.caches.tuning.fresh_max_age_s - 1)
+            == 1
+        )
         with db.read() as conn:
             assert conn.execute(select(func.count()).select_from(b)).scalar() == 1
     finally:

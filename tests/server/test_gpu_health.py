@@ -17,7 +17,7 @@ from zerowatch.server import store
 from zerowatch.server.db import Database
 from zerowatch.server.metrics import exposition
 from zerowatch.server.read import doctor, rollups, series
-from zerowatch.server.read.rollups import Compactor
+from zerowatch.server.read.rollups import RollupWorker
 
 from zerowatch import events as ev
 from zerowatch import simulate
@@ -40,7 +40,7 @@ def _store(db: Database, spec: simulate.SimSpec, n: int = 30, mutate=None) -> st
         if mutate is not None:
             events = [mutate(e) for e in events]
         store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, events))
-    Compactor(db).flush()
+    RollupWorker(db).flush()
     return rc.run_id
 
 

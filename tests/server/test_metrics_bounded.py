@@ -67,7 +67,7 @@ def test_a_run_with_nothing_rolled_up_in_a_backlog_shows_its_statistics_once_one
         storm = exposition(db, grace_s=60).decode()
         assert "zerowatch_step_time_seconds{" not in storm
         assert f'zerowatch_steps_total{{project="default",run="{rc.run_id}"}}' in storm
-        rollups.Compactor(db).run_once(settle=False)
+        rollups.RollupWorker(db).run_once(settle=False)
         after = exposition(db, grace_s=60).decode()
         assert f'run="{rc.run_id}",stat="p50"' in after
     finally:

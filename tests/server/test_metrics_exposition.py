@@ -38,7 +38,7 @@ def test_metrics_expose_rank_statistics_and_outlier_ranks(client: TestClient) ->
     for evs in batches:
         post_events(client, rid, evs)
     post_events(client, rid, batches[1])  # a replay changes nothing
-    client.app.state.compactor.flush()  # type: ignore[attr-defined]
+    client.app.state.rollup_worker.flush()  # type: ignore[attr-defined]
     resp = client.get("/metrics")
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
     s = _samples(resp.text)
@@ -140,7 +140,7 @@ def test_a_restarted_server_exposes_live_runs_again(tmp_path: Path) -> None:
         newest = {e.rank: e for e in batches[-1]}
         ops = {x.labels["op"] for x in s["zerowatch_collective_bus_bandwidth_bytes_per_second"]}
         assert ops == {c.op for e in newest.values() for c in e.collectives}
-        client.app.state.compactor.flush()  # type: ignore[attr-defined]
+        client.app.state.rollup_worker.flush()  # type: ignore[attr-defined]
         s = _samples(client.get("/metrics").text)
         counts = {x.labels["op"]: x.value for x in s["zerowatch_collective_latency_seconds_count"]}
         assert counts["all_gather"] == sum(

@@ -29,7 +29,7 @@ def test_mfu_is_exposed_beside_tokens_per_second_shown_and_in_the_doctors_eviden
     batches = list(simulate.steps(SPEC, 4))
     for events in batches:
         post_events(client, rid, events)
-    client.app.state.compactor.flush()  # type: ignore[attr-defined]
+    client.app.state.rollup_worker.flush()  # type: ignore[attr-defined]
     text = client.get("/metrics").text
     assert ev.METRICS["mfu"] == "zerowatch_mfu_ratio"
     mfu = {s.labels["stat"]: s.value for s in _family(text, "zerowatch_mfu_ratio")
@@ -58,7 +58,7 @@ def test_a_run_without_mfu_shows_a_dash_and_exposes_no_mfu(client: TestClient) -
     spec = dataclasses.replace(SPEC, peak_flops=None)
     rid = create_sim_run(client, spec)
     post_events(client, rid, next(simulate.steps(spec, 1)))
-    client.app.state.compactor.flush()  # type: ignore[attr-defined]
+    client.app.state.rollup_worker.flush()  # type: ignore[attr-defined]
     assert not _family(client.get("/metrics").text, "zerowatch_mfu_ratio")
     assert client.get(f"/api/v1/runs/{rid}").json()["mfu"] is None
     assert 'id="stat-mfu">–<' in client.get(f"/runs/{rid}").text

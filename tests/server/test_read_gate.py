@@ -17,7 +17,8 @@ from zerowatch.server.app import create_app
 from zerowatch.server.db import Database
 from zerowatch.server.ingest import Ingestor
 from zerowatch.server.read import rollups
-from zerowatch.server.read.fresh import LiveMemo
+from zerowatch.server.read.rollups import reader
+from zerowatch.server.read.rollups.live_memo import LiveMemo
 from zerowatch.server.read_gate import ReadGate, ReadGateMiddleware
 from zerowatch.server.settings import Settings
 
@@ -69,7 +70,7 @@ def test_the_writer_takes_no_group_while_a_read_is_in_flight(sqlite_url: str) ->
 
 
 def test_every_get_and_head_counts_as_a_read_while_it_runs() -> None:
-    gate = ReadGate()
+    gate = ReadGate(max_wait_s=0.05)
     seen: list[tuple[str, int]] = []
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
@@ -99,13 +100,13 @@ def test_a_page_computes_each_dirty_step_once_however_often_its_mark_moves(
     spec = simulate.SimSpec(world_size=4, stage=3)
     settings = Settings(db_url=sqlite_url, rollup_interval_s=3600.0)  # steps stay dirty
     computed: list[int] = []
-    real = rollups.compute
+    real = reader.compute
 
     def counting(conn: Any, pk: int, steps: Any, **kw: Any) -> Any:
         computed.extend(steps)
         return real(conn, pk, steps, **kw)
 
-    monkeypatch.setattr(rollups, "compute", counting)
+    monkeypatch.setattr(reader, "compute", counting)
     monkeypatch.setattr(LiveMemo, "get", lambda self, key: None)
     with TestClient(create_app(settings)) as c:
         rc = simulate.run_create(spec, run_id="dirty")

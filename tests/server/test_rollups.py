@@ -8,6 +8,7 @@ import dataclasses
 import random
 import statistics
 import time
+from typing import Any
 
 import pytest
 from sqlalchemy import select
@@ -86,7 +87,7 @@ def test_rollups_equal_a_direct_computation_with_late_missing_and_replayed_ranks
     store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, first[:10]))  # replay
     stored = {s: [e for e in evs if (s, e.rank) not in missing | late] for s, evs in every.items()}
     _check(db, pk, stored)  # dirty: computed by the reader
-    compactor = rollups.Compactor(db)
+    compactor = rollups.RollupWorker(db)
     assert compactor.flush() == 8
     _check(db, pk, stored)  # from the stored rollups
     late_events = [every[s][r] for s, r in late]
@@ -125,7 +126,7 @@ def test_compactors_of_several_server_processes_never_compute_the_same_run(pg_se
             pks.append(store.create_run(db, run=rc)[0])
             for events in simulate.steps(spec, 6):
                 store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, events))
-        a, b = rollups.Compactor(db), rollups.Compactor(db, claim_idle_s=0.0)
+        a, b = rollups.RollupWorker(db), rollups.RollupWorker(db, claim_idle_s=0.0)
         try:
             assert a._claim(pks[0], time.time())  # A holds the first run
             assert b.flush() == 6  # B rolls up only the other run
@@ -142,7 +143,7 @@ def test_compactors_of_several_server_processes_never_compute_the_same_run(pg_se
                 assert rollups.dirty_in(conn, pks[0]) == []
             time.sleep(0.01)
             b.run_once()  # idle claims are released at the next round
-            assert b._claims == {}
+            assert b.claims.held == frozenset()
         finally:
             b.close()
     finally:
@@ -157,11 +158,12 @@ def test_a_server_process_shares_its_part_of_a_run_another_process_rolls_up(pg_s
     import uuid
 
     from zerowatch.server.ingest import Ingestor
-    from zerowatch.server.read import fresh
+    from zerowatch.server.read.rollups.compute import summarize
+    from zerowatch.server.read.rollups.rows import columns_from_rows
 
     url = str(pg_server.create_database("share_" + uuid.uuid4().hex[:10]))
     db_a, db_b = Database.open(url), Database.open(url)
-    a, b = rollups.Compactor(db_a), rollups.Compactor(db_b)
+    a, b = rollups.RollupWorker(db_a), rollups.RollupWorker(db_b)
     try:
         spec = simulate.SimSpec(world_size=6, stage=3, spans_every=0, seed=3)
         rc = simulate.run_create(spec)
@@ -180,21 +182,23 @@ def test_a_server_process_shares_its_part_of_a_run_another_process_rolls_up(pg_s
         finally:
             ingest_a.close()
             ingest_b.close()
-        cache_a, cache_b = fresh.of(db_a.engine), fresh.of(db_b.engine)
+        cache_a, cache_b = db_a.caches.fresh, db_b.caches.fresh
         cache_b.flush_shared()
-        assert cache_b.published == 5 * 3  # B's three ranks of every step
+        assert (
+            cache_b.shared is not None and cache_b.shared.published == 5 * 3
+        )  # B's three ranks of every step
         want = {}
         with db_a.read() as conn:
             for events in steps:
                 step = events[0].step
-                want[step] = rollups._columns_from_rows(conn, pk, [step])[step]
+                want[step] = columns_from_rows(conn, pk, [step])[step]
         assert a.flush() == 5
         assert cache_a.taken == 5 * 3
         assert (cache_a.hits, cache_a.partial, cache_a.misses) == (5, 0, 0)
         with db_a.read() as conn:
             stored = rollups.read(conn, pk, None, extra=True)
         for step, cols in want.items():
-            for name, st in rollups._summarize_columns(cols).items():
+            for name, st in summarize(cols, top_k=db_a.caches.tuning.top_k).items():
                 assert stored[name][step] == pytest.approx(st), (step, name)
     finally:
         a.close()
@@ -212,7 +216,7 @@ def test_a_settled_step_waits_for_its_missing_ranks_unless_nobody_wrote_to_it_fo
     events = [simulate.step_event(spec, r, 0) for r in range(3)]  # rank 3 is late for step 0
     events += [simulate.step_event(spec, r, 1) for r in range(4)]
     store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, events))
-    compactor = rollups.Compactor(db, settle_s=0.5, incomplete_s=30.0)
+    compactor = rollups.RollupWorker(db, settle_s=0.5, incomplete_s=30.0)
     now = time.time()
     assert compactor.run_once(now=now + 1) == 1  # step 1: every rank is in
     with db.read() as conn:
@@ -223,13 +227,11 @@ def test_a_settled_step_waits_for_its_missing_ranks_unless_nobody_wrote_to_it_fo
         assert rollups.read(conn, pk, ["step_time_s"])["step_time_s"][0].n == 3
 
 
-def test_a_reader_computes_a_bounded_number_of_rank_steps_of_a_backlog(
-    db: Database, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_reader_computes_a_bounded_number_of_rank_steps_of_a_backlog(tuned_db: Any) -> None:
     # Ten dirty steps of an 8-rank run and a budget of 24 rank-steps: a reader computes the
-    # newest 3 steps itself (24 // 8) and leaves the older 7 to the compactor, whatever the
-    # step bound (MAX_LIVE_STEPS) would allow. Once compacted, every step is there.
-    monkeypatch.setattr(rollups, "MAX_LIVE_RANK_STEPS", 24)
+    # newest 3 steps itself (24 // 8) and leaves the older 7 to the worker, whatever the
+    # step bound (max_live_steps) would allow. Once rolled up, every step is there.
+    db = tuned_db(max_live_rank_steps=24)
     spec = simulate.SimSpec(name="backlog", world_size=8, stage=3)
     rc = simulate.run_create(spec)
     pk, _ = store.create_run(db, run=rc)
@@ -238,18 +240,16 @@ def test_a_reader_computes_a_bounded_number_of_rank_steps_of_a_backlog(
     with db.read() as conn:
         assert rollups.live_steps(conn, pk) == 3
         assert sorted(rollups.read(conn, pk, ["step_time_s"])["step_time_s"]) == [7, 8, 9]
-    rollups.Compactor(db).flush()
+    rollups.RollupWorker(db).flush()
     with db.read() as conn:
         got = rollups.read(conn, pk, ["step_time_s"])["step_time_s"]
         assert sorted(got) == list(range(10)) and all(st.n == 8 for st in got.values())
 
 
-def test_in_a_backlog_a_reader_computes_a_quarter_of_its_share(
-    db: Database, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_in_a_backlog_a_reader_computes_a_quarter_of_its_share(tuned_db: Any) -> None:
     # A budget of 64 rank-steps of an 8-rank run: 8 steps. With 40 steps dirty (more than
-    # BACKLOG_FACTOR x 8: the compactor is behind) a reader computes the newest 2 itself.
-    monkeypatch.setattr(rollups, "MAX_LIVE_RANK_STEPS", 64)
+    # backlog_factor x 8: the worker is behind) a reader computes the newest 2 itself.
+    db = tuned_db(max_live_rank_steps=64)
     spec = simulate.SimSpec(name="storm", world_size=8, stage=3)
     rc = simulate.run_create(spec)
     pk, _ = store.create_run(db, run=rc)
@@ -262,7 +262,7 @@ def test_in_a_backlog_a_reader_computes_a_quarter_of_its_share(
         # The backlog is the run's: a read of a range of it computes as little.
         got = rollups.read(conn, pk, ["step_time_s"], step_from=30)["step_time_s"]
         assert sorted(got) == [38, 39]
-    rollups.Compactor(db).run_once(settle=False)  # max_steps 256: the backlog is gone
+    rollups.RollupWorker(db).run_once(settle=False)  # max_steps 256: the backlog is gone
     store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, [
         simulate.step_event(spec, r, s) for s in range(40, 60) for r in range(8)
     ]))  # fmt: skip
@@ -282,7 +282,7 @@ def test_a_read_without_live_steps_gives_the_stored_rollups_alone(db: Database) 
     with db.read() as conn:
         assert rollups.read(conn, pk, ["step_time_s"], live=False)["step_time_s"] == {}
         assert sorted(rollups.read(conn, pk, ["step_time_s"])["step_time_s"]) == [0, 1, 2]
-    rollups.Compactor(db).flush()
+    rollups.RollupWorker(db).flush()
     late = [simulate.step_event(spec, 2, s) for s in range(3)]
     store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, late))
     with db.read() as conn:
@@ -303,7 +303,7 @@ def test_retention_thins_old_rank_rows_with_their_collectives_and_keeps_every_ro
     pk, _ = store.create_run(db, run=rc)
     for evs in simulate.steps(spec, 30):
         store.ingest_batch(db, run_id=rc.run_id, batch=ev.EventBatch(rc.run_id, evs))
-    compactor = rollups.Compactor(db, retention=rollups.Retention(full_steps=10, every=5))
+    compactor = rollups.RollupWorker(db, retention=rollups.Retention(full_steps=10, every=5))
     assert compactor.flush() == 30
     with db.read() as conn:
         before = rollups.read(conn, pk, ["step_time_s", "collective.all_gather.latency_s"])

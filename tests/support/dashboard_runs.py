@@ -37,7 +37,7 @@ from sqlalchemy import func, insert, literal, select, update
 from zerowatch.server import models as m
 from zerowatch.server import store
 from zerowatch.server.db import Database
-from zerowatch.server.read.rollups import Compactor
+from zerowatch.server.read.rollups import RollupWorker as Compactor
 
 from zerowatch import events as ev
 from zerowatch import simulate as sim
