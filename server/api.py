@@ -301,9 +301,9 @@ def heatmap(
 
 
 @router.get("/runs/{run_id}/findings", dependencies=Read, tags=["doctor"])
-def findings(run_id: RunId, db: DbDep) -> dict[str, Any]:
+def findings(run_id: RunId, db: DbDep, settings: SettingsDep) -> dict[str, Any]:
     """What is wrong with a run and what to change (the doctor), most severe first."""
-    return _of_run(doctor.findings, run_id, db=db)
+    return _of_run(doctor.findings, run_id, db=db, recent_steps=settings.recent_steps)
 
 
 @router.get("/runs/{run_id}/checkpoints", dependencies=Read, tags=["runs"])

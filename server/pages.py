@@ -14,7 +14,6 @@ FastAPI runs in its thread pool, so ingest and /metrics are not held up while a 
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -32,8 +31,7 @@ from zerowatch.dashboards import theme as th
 from zerowatch.dashboards.data import RunView, Series
 from zerowatch.server import page_queries, rank_pages, read
 from zerowatch.server.deps import DbDep, SettingsDep, require_read
-from zerowatch.server.read import doctor, jobs
-from zerowatch.server.read.doctor_settings import DoctorSettings
+from zerowatch.server.read import doctor, doctor_figures, jobs
 
 from zerowatch import plan as planner
 
@@ -178,28 +176,25 @@ def _page_link(project: str | None, status: str | None, tag: str | None, page: i
 # -- one run --------------------------------------------------------------------------------------
 
 
-def _summary(view: RunView) -> dict[str, str]:
+def _summary(view: RunView, named: dict[str, Any] | None = None) -> dict[str, str]:
+    """The tiles' texts; `named`: the doctor's figures (read/doctor_figures.py), whose
+    straggler the tile shows (without them, as on a live update, the tile is left as is)."""
     run = view.run
-    found = view.straggler
-    # A straggler where the doctor's straggler finding would name one (busy time above its
-    # straggler_ratio of the median rank's), not any rank above the median.
-    if found is not None and found.excess <= DoctorSettings().straggler_ratio - 1:
-        found = None
     # Over the same steps as the step-time tile (the run's recent figures), the median rank.
-    rec = run.get("recent") or {}
-    exposed, step = rec.get("exposed_comm_s"), rec.get("step_time_s")
-    share = exposed / step if exposed is not None and step else None
-    return {
+    exposed = doctor_figures.exposed_share(run.get("recent") or {}, 0)
+    out = {
         "steps": str(view.last_step + 1 if view.last_step >= 0 else 0),
         "step-time": th.fmt_seconds(run.get("step_time_s")),
         "samples": th.fmt_rate(run.get("samples_per_s"), ""),
         "tokens": th.fmt_rate(run.get("tokens_per_s"), ""),
         "mfu": f"{run['mfu']:.1%}" if run.get("mfu") is not None else "–",
-        "exposed": f"{share:.0%}" if share is not None and math.isfinite(share) else "–",
+        "exposed": exposed.text,
         "peak": th.fmt_bytes(view.peak_bytes),
-        "straggler": f"rank {found.rank} ({found.excess:+.0%})" if found else "none",
         "last-seen": _ago(run.get("last_event_at") or run.get("created_at")),
     }
+    if named is not None:
+        out["straggler"] = named["straggler"]["text"] if "straggler" in named else "none"
+    return out
 
 
 def _refine(view: RunView, run_id: str, figures: dict[str, Any]) -> list[dict[str, Any]]:
@@ -252,7 +247,7 @@ _FINDINGS: dict[tuple[str, int, Any], tuple[float, Any]] = {}
 _FINDINGS_TTL_S = 30.0
 
 
-def _findings(db: Any, run_id: str, view: RunView) -> Any:
+def _findings(db: Any, run_id: str, view: RunView, recent_steps: int) -> Any:
     """The doctor's findings for the run page. They follow from the stored steps, so a
     reload while no step arrived reuses them (for at most _FINDINGS_TTL_S, which bounds how
     long a late rank's change can go unseen); the doctor costs a few hundred ms on a long
@@ -262,7 +257,7 @@ def _findings(db: Any, run_id: str, view: RunView) -> Any:
     hit = _FINDINGS.get(key)
     if hit is not None and now - hit[0] < _FINDINGS_TTL_S:
         return hit[1]
-    found = doctor.findings(db=db, run_id=run_id)
+    found = doctor.findings(db=db, run_id=run_id, recent_steps=recent_steps)
     if len(_FINDINGS) >= 64:
         _FINDINGS.clear()
     _FINDINGS[key] = (now, found)
@@ -281,9 +276,10 @@ def run_page(run_id: str, db: DbDep, settings: SettingsDep) -> HTMLResponse:
     if view is None:
         return _not_found("Run not found", f"No run with id {run_id!r} is stored here.")
     figures = run_figs.figures(view)
-    summary = _summary(view)
     run = view.run
-    found = _findings(db, run_id, view)
+    found = _findings(db, run_id, view, settings.recent_steps)
+    named = (found or {}).get("figures") or {}
+    summary = _summary(view, named)
     return _page(
         "run.html",
         recent=th.recent_label(settings.recent_steps),
@@ -306,6 +302,7 @@ def run_page(run_id: str, db: DbDep, settings: SettingsDep) -> HTMLResponse:
             "straggler": summary["straggler"],
             "last_seen_ago": summary["last-seen"],
         },
+        named={k: v["stat"] for k, v in named.items()},
         charts=[{"id": k, "wide": w} for k, w in run_figs.CHARTS if k in figures],
         outliers=_outlier_rows(view, run_id),
         notes=run_figs.missing_notes(view, figures),

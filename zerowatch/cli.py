@@ -362,22 +362,29 @@ def doctor(
         fail(f"--fail-on: expected warning or critical, got {fail_on!r}", EXIT_USAGE)
     data = _get(server or DEFAULT_SERVER, f"/api/v1/runs/{quote(run, safe='')}/findings")
     found = data.get("findings", []) if isinstance(data, dict) else []
+    named = (data.get("figures") if isinstance(data, dict) else None) or {}
     if as_json:
         typer.echo(json.dumps(data, indent=2))
     else:
-        typer.echo(_render_findings(run, found))
+        typer.echo(_render_findings(run, found, named))
     levels = {"warning": ("warning", "critical"), "critical": ("critical",)}.get(fail_on or "", ())
     if any(f.get("severity") in levels for f in found):
         raise typer.Exit(EXIT_FAILED)
 
 
-def _render_findings(run: str, found: list[dict[str, object]]) -> str:
-    """The findings as plain text, most severe first (as the server orders them)."""
+def _render_findings(
+    run: str, found: list[dict[str, object]], named: dict[str, dict[str, object]]
+) -> str:
+    """The run's named figures (the run page's tiles: each "label text (statistic)"), then
+    the findings as plain text, most severe first (as the server orders them)."""
     import json
 
+    from zerowatch.units import fmt_bytes, fmt_seconds
+
+    figures = [f"  {f.get('label')} {f.get('text')} ({f.get('stat')})" for f in named.values()]
     if not found:
-        return f"{run}: nothing to report."
-    lines = [f"{run}: {len(found)} finding(s)"]
+        return "\n".join([f"{run}: nothing to report.", *figures])
+    lines = [f"{run}: {len(found)} finding(s)", *figures]
     for f in found:
         ranks = f.get("ranks") or []
         steps = f.get("steps") or []
@@ -390,9 +397,9 @@ def _render_findings(run: str, found: list[dict[str, object]]) -> str:
         pred = f.get("prediction")
         if isinstance(pred, dict):
             lines.append(
-                f"  predicted: step {pred.get('step_time_s', 0):.4g} s (now "
-                f"{pred.get('step_time_now_s', 0):.4g} s), model state "
-                f"{pred.get('model_state_bytes', 0):,.0f} B per rank; config: "
+                f"  predicted: {fmt_seconds(pred.get('step_time_s'))} a step (now "
+                f"{fmt_seconds(pred.get('step_time_now_s'))}), "
+                f"{fmt_bytes(pred.get('model_state_bytes'))} of model state per rank; config: "
                 + json.dumps(pred.get("config"))
             )
     return "\n".join(lines)

@@ -18,7 +18,10 @@ steps, not ranks, then hands it to the checks (doctor_checks.py, one function pe
 A 4,096-rank run costs what a 2-rank run does, bar the ranks' names. Each finding is
 {"kind", "severity", "ranks", "steps": [first, last], "message", "suggestion", "evidence",
 "prediction"}; the list is most severe first. Beside them, the answer's "throughput" holds the
-job's tokens/s and MFU over the window (None where unknown).
+job's tokens/s and MFU over the window (None where unknown), and "figures" the run's named
+figures (doctor_figures.py: step time, exposed share, straggler), each {"label", "stat",
+"value", "text", "rank"}: the numbers the run page's tiles show, stated under the same names
+in the findings' messages.
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ from sqlalchemy import select
 from zerowatch.server import models as m
 from zerowatch.server.db import Database
 from zerowatch.server.heartbeats import read_heartbeats
-from zerowatch.server.read import doctor_crash, forensics, runs
+from zerowatch.server.read import doctor_crash, doctor_figures, forensics, runs
 from zerowatch.server.read.doctor_checks import SEVERITIES, Finding, run_checks
-from zerowatch.server.read.doctor_evidence import gather
+from zerowatch.server.read.doctor_evidence import RECENT_STEPS, Evidence, gather
 from zerowatch.server.read.doctor_settings import DoctorSettings
 
 
@@ -42,18 +45,35 @@ def order(found: list[Finding]) -> list[Finding]:
     return sorted(found, key=lambda f: SEVERITIES.index(f.severity))
 
 
+def figures(e: Evidence, found: list[Finding], s: DoctorSettings) -> dict[str, Any]:
+    """The run's named figures (doctor_figures.py) as the answer carries them: the straggler
+    is the straggler finding's (its busy time, not its input), or none."""
+    lagging = next((f for f in found if f.kind == "straggler"
+                    and f.evidence.get("part") != "input"), None)  # fmt: skip
+    rank = None if lagging is None else lagging.evidence.get("rank")
+    ratio = None if lagging is None else lagging.evidence.get("ratio_to_median")
+    named = (e.step_time, e.exposed_share,
+             doctor_figures.straggler(rank, ratio, e.window, s.straggler_ratio))  # fmt: skip
+    return {f.key: f.to_dict() for f in named}
+
+
 def findings(
-    *, db: Database, run_id: str, settings: DoctorSettings | None = None
+    *,
+    db: Database,
+    run_id: str,
+    settings: DoctorSettings | None = None,
+    recent_steps: int = RECENT_STEPS,
 ) -> dict[str, Any] | None:
     """The doctor's findings for a run: {"run_id", "window": [first, last] steps read,
-    "findings": [...]} most severe first, or None for an unknown run."""
+    "throughput", "figures", "findings": [...]} most severe first, or None for an unknown
+    run. `recent_steps`: the window of the run's recent figures (the server's setting)."""
     settings = settings or DoctorSettings()
     with db.read() as conn:
         row = conn.execute(select(m.runs).where(m.runs.c.run_id == run_id)).first()
         if row is None:
             return None
         run = runs.run_dict(row, now=0.0, stalled_after_s=float("inf"))
-        evidence = gather(conn, int(row.id), run, settings)
+        evidence = gather(conn, int(row.id), run, settings, recent_steps=recent_steps)
         crashed = doctor_crash.crashes(conn, int(row.id)) if row.status == "crashed" else []
         if evidence is not None:
             flagged = [st for st, v in sorted((evidence.signals.get("nonfinite") or {}).items())
@@ -72,8 +92,9 @@ def findings(
         "run_id": run_id,
         "window": list(evidence.window),
         "throughput": {"tokens_per_s": evidence.tokens_per_s, "mfu": evidence.mfu},
+        "figures": figures(evidence, found, settings),
         "findings": [f.to_dict() for f in found],
     }
 
 
-__all__ = ["DoctorSettings", "Finding", "findings", "order"]
+__all__ = ["DoctorSettings", "Finding", "figures", "findings", "order"]

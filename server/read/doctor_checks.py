@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from zerowatch.server.read import doctor_figures
 from zerowatch.server.read.doctor_evidence import RANK_PARTS, Evidence
 from zerowatch.server.read.doctor_settings import DoctorSettings
 from zerowatch.server.read.rollups import Stats
@@ -133,8 +134,9 @@ def straggler(e: Evidence, s: DoctorSettings) -> list[Finding]:
     node = (len(slow) >= 2 and len(hosts) == 1 and None not in hosts
             and len(slow) < int(e.run["world_size"]))  # fmt: skip
     ranks = tuple(int(o["rank"]) for o in slow) if node else (rank,)
-    where = f"host {next(iter(hosts))} (ranks {', '.join(map(str, ranks))})" if node else (
-        f"rank {rank}{_host(e, rank)}")  # fmt: skip
+    # A node's ranks lead with the host; one rank's host follows its figure.
+    lead = f"host {next(iter(hosts))} (ranks {', '.join(map(str, ranks))}): " if node else ""
+    host = "" if node else _host(e, rank).replace(" on ", ", on ", 1)
     detail = ""
     if phase is not None:
         detail = f" ({phase.removeprefix('phase.')} {fmt_seconds(by_metric[phase])} a step above)"
@@ -149,6 +151,7 @@ def straggler(e: Evidence, s: DoctorSettings) -> list[Finding]:
     gpu_says, gpu_suggestion = _gpu_sentence(gpu)
     if gpu_suggestion and part == "compute":
         suggestion = gpu_suggestion
+    figure = doctor_figures.straggler(rank, ratio, e.window, s.straggler_ratio)
     return [
         Finding(
             kind="straggler",
@@ -159,9 +162,9 @@ def straggler(e: Evidence, s: DoctorSettings) -> list[Finding]:
             else "warning",
             ranks=ranks,
             steps=e.window,
-            message=f"{where} is {ratio:.2f}x the median rank's busy time "
-            f"({fmt_seconds(worst['mean'])} vs {fmt_seconds(median)}); the excess is in "
-            f"{part}{detail}. "
+            message=f"{lead}{figure.cite()}{host}; its mean busy time where it stood out "
+            f"{fmt_seconds(worst['mean'])} against the median rank's {fmt_seconds(median)}; "
+            f"the excess is in {part}{detail}. "
             + (
                 "Every other rank waits for it in each collective."
                 if explained >= 0.5
@@ -172,6 +175,7 @@ def straggler(e: Evidence, s: DoctorSettings) -> list[Finding]:
             suggestion=suggestion,
             evidence={
                 "part": part,
+                "rank": rank,
                 "ratio_to_median": ratio,
                 "busy_s": worst["mean"],
                 "median_busy_s": median,
@@ -234,7 +238,8 @@ def _gpu_sentence(gpu: dict[str, Any] | None) -> tuple[str, str | None]:
 def input_stall(e: Evidence, s: DoctorSettings) -> list[Finding]:
     """Time between steps outside the engine (the data loader), on every rank sampled
     (input_stall) or on one rank the others wait for (a straggler in "input")."""
-    step = e.median("step_time_s")
+    figure = e.step_time
+    step = figure.value
     gaps = {r: g for r, g in e.gaps.items() if g is not None}
     if not step or not gaps:
         return []
@@ -252,8 +257,8 @@ def input_stall(e: Evidence, s: DoctorSettings) -> list[Finding]:
                 severity="critical" if low >= s.input_stall_critical_share else "warning",
                 steps=e.window,
                 message=f"Every rank sampled waits {fmt_seconds(gap)} between steps outside "
-                f"the engine ({_pct(low)} or more of the wall time); the step itself takes "
-                f"{fmt_seconds(step)}.",
+                f"the engine ({_pct(low)} or more of the wall time, against the "
+                f"{figure.cite()}).",
                 suggestion=suggestion,
                 evidence=ev_common,
             )
@@ -295,7 +300,9 @@ def _op_stats(e: Evidence) -> dict[str, dict[str, float]]:
 def measured(e: Evidence) -> predict.Measured | None:
     """The run as the calibrated planner sees it (None: not enough to calibrate on)."""
     run = e.run
-    step, exposed = e.median("step_time_s"), e.median("exposed_comm_s")
+    # The run's step time as every surface states it (the planner's "now"); the parts
+    # below are the doctor's window's medians.
+    step, exposed = e.step_time.value, e.median("exposed_comm_s")
     psi = int(run.get("param_count") or 0)
     if not step or exposed is None or psi <= 0 or run.get("precision") not in theory.PARAM_BYTES:
         return None
@@ -398,10 +405,11 @@ def exposed_communication(e: Evidence, s: DoctorSettings) -> list[Finding]:
             kind="exposed_communication",
             severity="warning" if share >= s.exposed_comm_share else "info",
             steps=e.window,
-            message=f"{_pct(share)} of the step ({fmt_seconds(exposed)} of "
-            f"{fmt_seconds(step)}: medians of steps {e.window[0]:,}–{e.window[1]:,}, the "
-            "exposed time of the rank that waits least) is communication that compute does "
-            "not hide" + (f", most of it in {top[0]}" if top else "") + ".",
+            message=f"On the rank that waits least, {_pct(share)} of the step is "
+            f"communication that compute does not hide ({fmt_seconds(exposed)} a step; "
+            f"medians over steps {e.window[0]:,}–{e.window[1]:,})"
+            + (f", most of it in {top[0]}" if top else "")
+            + f"; the run's {e.exposed_share.cite()}.",
             suggestion=_sentence("; ".join(tips)),
             evidence={
                 "share": share,
@@ -796,11 +804,13 @@ def stage_choice(e: Evidence, s: DoctorSettings) -> list[Finding]:
                  and m.peak_bytes >= s.memory_headroom_share * m.capacity_bytes)  # fmt: skip
     fitting = [p for p in preds if p.fits is not False]
     now = predict.uncontended(m).step_time_s
-    # Which figure "now" is: the window's median step, less what other processes took of
-    # the host where they did (the figure the predictions are against).
-    now_text = (f"now {fmt_seconds(now)} a step: the median of steps {e.window[0]:,}–"
-                f"{e.window[1]:,}" + (", with the host to itself" if now < m.step_time_s * 0.995
-                                      else ""))  # fmt: skip
+    # Which figure "now" is: the run's step time as every surface states it, less what
+    # other processes took of the host where they did (the figure the predictions are
+    # against), then named apart.
+    fig = e.step_time
+    now_text = (f"now {fmt_seconds(now)} a step with the host to itself, against the "
+                f"{fig.cite()} as measured" if now < m.step_time_s * 0.995
+                else f"now {fig.text} a step: the {fig.stat}")  # fmt: skip
     fast = [p for p in fitting if p.step_time_s < (1 - s.stage_choice_min_gain) * now]
     candidates = {"candidates": [p.to_dict(m) for p in sorted(preds, key=lambda p: p.step_time_s)]}
     # Offload frees device memory for host memory: nothing on a CPU run, and not asked for
@@ -842,8 +852,8 @@ def stage_choice(e: Evidence, s: DoctorSettings) -> list[Finding]:
         # with its cost.
         best = (min(lean, key=lambda p: (p.step_time_s, p.model_state_bytes)) if short
                 else min(lean, key=lambda p: (p.model_state_bytes, p.step_time_s)))  # fmt: skip
-        what = (f"frees {fmt_bytes(m.model_state_bytes - best.model_state_bytes)} per rank at a "
-                f"predicted step time of {fmt_seconds(best.step_time_s)} ({now_text})")  # fmt: skip
+        what = (f"frees {fmt_bytes(m.model_state_bytes - best.model_state_bytes)} per rank, "
+                f"predicted at {fmt_seconds(best.step_time_s)} a step ({now_text})")  # fmt: skip
     fits = {True: "fits", None: "device capacity unknown"}.get(best.fits, "does not fit")
     c = predict.contention(m)
     shared = (f" This run's steps took {c:.2f}x the CPU time its threads used outside the "

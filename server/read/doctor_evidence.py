@@ -10,10 +10,12 @@ from typing import Any
 
 from sqlalchemy import Connection, select
 from zerowatch.server import models as m
-from zerowatch.server.read import rollups, series
+from zerowatch.server.read import doctor_figures, rollups, runs, series
+from zerowatch.server.read.doctor_figures import Figure
 from zerowatch.server.read.doctor_settings import DoctorSettings
 from zerowatch.server.read.rollups import Stats
 from zerowatch.server.read.vocabulary import rank_values_of
+from zerowatch.server.settings import Settings
 
 from zerowatch import events as ev
 
@@ -23,6 +25,8 @@ PERF_NAMES = ("step_time_s", "busy_s", "exposed_comm_s", "hidden_comm_s", "threa
 PERF_PREFIXES = ("phase.", "part.", "collective.", "offload.", "memory.")
 SIGNAL_NAMES = ("loss_scale", "skipped", "nonfinite", "grad_norm", "offload.d2h.bandwidth",
                 "offload.h2d.bandwidth")  # fmt: skip
+#: The server's default window of a run's recent figures (Settings.recent_steps).
+RECENT_STEPS: int = Settings.recent_steps
 #: Metrics a straggler's own rows are read for, and the part of the step each belongs to.
 RANK_PARTS = {
     "phase.forward": "compute",
@@ -55,6 +59,20 @@ class Evidence:
     #: Where the first non-finite steps began (doctor_crash.origin): first rank and module,
     #: the ranks' local gradient norms, the forward's first non-finite module, batch ids.
     origin: dict[str, Any] = field(default_factory=dict)
+    #: The run's recent figures (read/runs.py `recent` over its newest `recent_steps`
+    #: steps): the step time and exposed share the findings state (doctor_figures.py).
+    recent: dict[str, Any] = field(default_factory=dict)
+    recent_steps: int = 0
+
+    @property
+    def step_time(self) -> Figure:
+        """The run's step time, as every surface names it."""
+        return doctor_figures.step_time(self.recent, self.recent_steps)
+
+    @property
+    def exposed_share(self) -> Figure:
+        """The run's exposed share, as every surface names it."""
+        return doctor_figures.exposed_share(self.recent, self.recent_steps)
 
     def median(self, name: str, stat: str = "p50", *, signals: bool = False) -> float | None:
         """The median over the window's steps of one statistic of a metric."""
@@ -165,9 +183,15 @@ def gpu_health(per_step: dict[int, dict[str, float]]) -> dict[str, Any] | None:
 
 
 def gather(
-    conn: Connection, pk: int, run: dict[str, Any], settings: DoctorSettings
+    conn: Connection,
+    pk: int,
+    run: dict[str, Any],
+    settings: DoctorSettings,
+    *,
+    recent_steps: int = RECENT_STEPS,
 ) -> Evidence | None:
-    """The run's evidence (see the module docstring), or None for a run without steps."""
+    """The run's evidence (see the module docstring), or None for a run without steps.
+    `recent_steps`: the server's window of a run's recent figures (Settings.recent_steps)."""
     bounds = rollups.step_bounds(conn, pk)
     if bounds is None:
         return None
@@ -215,6 +239,7 @@ def gather(
         run=run, window=(lo, hi), perf=perf, signal_window=(s_lo, hi), signals=signals,
         totals=rollups.totals(conn, pk), busy_outliers=outl, hosts=hosts,
         rank_means=rank_means, rank_busy=rank_busy, gaps=gaps, rank_gpu=rank_gpu,
+        recent=runs.recent(conn, pk, recent_steps=recent_steps), recent_steps=recent_steps,
     )  # fmt: skip
 
 

@@ -90,3 +90,88 @@ def test_the_straggler_tile_names_a_rank_only_where_the_doctor_would(tmp_path):
             kinds = {f["kind"] for f in c.get(f"/api/v1/runs/{rid}/findings").json()["findings"]}
             assert (tiles[factor] != "none") == ("straggler" in kinds), (factor, tiles, kinds)
         assert tiles[1.1] == "none" and tiles[1.5].startswith("rank 1 (+")
+
+
+def _named(text: str, fig: dict) -> list[str]:
+    """What follows every "<label> " in `text`: each must be `<text> (<stat>)`."""
+    return [text[m.end():m.end() + len(fig["text"]) + len(fig["stat"]) + 3]
+            for m in re.finditer(rf"\b{re.escape(fig['label'])} ", text)]  # fmt: skip
+
+
+def test_the_findings_and_zerowatch_doctor_name_the_tiles_figures(tmp_path, monkeypatch):
+    """One run on every surface: the demo summary, the runs list, the run page's tiles,
+    compare, the API, the findings (API and run page) and `zerowatch doctor`. Each figure
+    with a tile (step time, exposed share, straggler) is one number under one name wherever
+    it is stated; the findings' own statistics (the rank that waits least, a window of
+    their own) go by other names. The run got 2x slower at step 75 of 100, so the doctor's
+    50-step window and the tiles' newest 20 steps have different medians."""
+    from typer.testing import CliRunner
+
+    from zerowatch import cli
+    from zerowatch.demo import _summary_table
+
+    app = create_app(Settings(db_url=f"sqlite:///{tmp_path / 'z.db'}", stalled_after_s=3600))
+    spec = sim.SimSpec(name="one", stage=2, world_size=4, step_time_s=0.1, regress_at=75,
+                       regress_factor=2.0, straggler_rank=1, straggler_factor=1.5)  # fmt: skip
+    rc = sim.run_create(spec)
+    store.create_run(app.state.db, run=rc)
+    events = [e for step in sim.steps(spec, 100) for e in step]
+    store.ingest_batch(app.state.db, run_id=rc.run_id,
+                       batch=ev.EventBatch(run_id=rc.run_id, events=events))  # fmt: skip
+    rid = rc.run_id
+    with TestClient(app) as c:
+        api = c.get(f"/api/v1/runs/{rid}").json()
+        rec = api["recent"]
+        doctor = c.get(f"/api/v1/runs/{rid}/findings").json()
+        figs = doctor["figures"]
+        step, exposed, straggler = (figs[k] for k in ("step_time_s", "exposed_share",
+                                                       "straggler"))  # fmt: skip
+        # The figures are the run resource's, named as the tiles name them.
+        assert step["value"] == api["step_time_s"] and step["text"] == th.fmt_seconds(step["value"])
+        assert step["label"] == "step time" and step["stat"] in th.recent_label(20)
+        assert exposed["value"] == rec["exposed_comm_s"] / rec["step_time_s"]
+        assert straggler["rank"] == 1 and straggler["text"].startswith("rank 1 (+")
+
+        # The tiles.
+        page = c.get(f"/runs/{rid}").text
+        tiles = {k: re.search(rf'id="stat-{k}">([^<]*)<', page).group(1)  # type: ignore[union-attr]
+                 for k in ("step-time", "exposed", "straggler")}  # fmt: skip
+        assert tiles == {"step-time": step["text"], "exposed": exposed["text"],
+                         "straggler": straggler["text"]}  # fmt: skip
+        for fig in (step, exposed, straggler):  # each tile's hint names its statistic
+            assert str(escape(fig["stat"])) in page
+        # The runs list, compare and the demo's summary: the same step time.
+        assert c.get("/api/v1/runs").json()["runs"][0]["step_time_s"] == step["value"]
+        assert step["text"] in c.get("/").text
+        compared = c.get("/api/v1/compare", params={"runs": rid}).json()
+        assert compared["runs"][0]["step_time_s"] == step["value"]
+        assert step["text"] in c.get("/compare", params={"runs": rid}).text
+        table = _summary_table(compared, [dataclasses.make_dataclass(
+            "StageRun", ["stage", "run_id"])(2, rid)])  # fmt: skip
+        assert f"{step['value'] * 1000:.1f} ms" in [str(x) for col in table.columns
+                                                   for x in col._cells]  # fmt: skip
+
+        # The findings: wherever a message says "step time", "exposed share" or
+        # "straggler", it is the figure, with its name.
+        messages = [f["message"] for f in doctor["findings"]]
+        kinds = {f["kind"] for f in doctor["findings"]}
+        assert {"straggler", "stage_choice"} <= kinds, kinds
+        said = " ".join(messages)
+        for fig in (step, exposed, straggler):
+            assert set(_named(said, fig)) <= {f"{fig['text']} ({fig['stat']})"}, fig["label"]
+        assert f"{straggler['label']} {straggler['text']} ({straggler['stat']})" in said
+        assert f"now {step['text']} a step" in said  # stage_choice's "now" is the tile's
+        for f in doctor["findings"]:  # the run page shows the same messages
+            assert str(escape(f["message"])) in page
+
+        def get(server: str, path: str, **params: str):
+            return c.get(path, params=params or None).json()
+
+        monkeypatch.setattr(cli, "_get", get)
+        out = CliRunner().invoke(cli.app, ["doctor", rid], env={"COLUMNS": "400"}).output
+    said = "\n".join(line for line in out.splitlines() if not line.startswith("["))  # kinds
+    for fig in (step, exposed, straggler):
+        assert f"{fig['label']} {fig['text']} ({fig['stat']})" in said, out
+        assert set(_named(said, fig)) <= {f"{fig['text']} ({fig['stat']})"}, (fig["label"], out)
+    for message in messages:
+        assert message in out
