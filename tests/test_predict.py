@@ -164,7 +164,7 @@ def test_contention_is_one_without_the_clocks_or_where_they_explain_the_step() -
 
 
 def _table(own: int, sizes: list[int], calls: dict[int, dict[str, list[int]]]) -> dict:
-    """engine_info as the bundled engine sends it (engine/counts.py)."""
+    """engine_info as the agent sends it for the bundled engine (zerowatch/rehearse/counts.py)."""
     return {"collective_calls": {"world_size": N, "gradient_accumulation_steps": 1,
                                  "reduce_bucket_size": own, "bucket_sizes": sizes,
                                  "calls": {str(st): ops for st, ops in calls.items()}}}  # fmt: skip
@@ -424,8 +424,8 @@ def test_keys_the_counts_do_not_follow_keep_the_estimate_from_bytes() -> None:
 
 
 def test_a_run_below_stage_3_prices_the_management_the_engine_rehearsed() -> None:
-    """A stage-1 run has not measured stage 3's parameter management; the engine timed it on
-    the job's parameters at initialization (engine/rehearsal.py: 2 ms here). A prediction up
+    """A stage-1 run has not measured stage 3's parameter management; it was rehearsed on
+    the job when the agent attached (zerowatch/rehearse/paths.py: 2 ms here). A prediction up
     to stage 3 adds it, one to stage 2 does not, and a GPU run prices none (its host runs
     ahead of the device)."""
     calls = {1: {"all_gather": [2], "reduce_scatter": [2], "all_reduce": [1]},
@@ -454,8 +454,8 @@ def test_a_run_below_stage_3_prices_the_management_the_engine_rehearsed() -> Non
 
 
 def test_each_stages_communication_path_is_priced_from_the_engines_rehearsal() -> None:
-    """Where the engine rehearsed every stage's communication path on the training thread
-    (engine/rehearsal.py: stage 0 0.5 ms, 1 1 ms, 2 4 ms, 3 7 ms here), a change of stage
+    """Where every stage's communication path on the training thread was rehearsed
+    (zerowatch/rehearse/paths.py: stage 0 0.5 ms, 1 1 ms, 2 4 ms, 3 7 ms here), a change of stage
     takes off what the run measured of its own (the communication phases less the waits:
     1.5 ms at this stage-1 run, 3 ms at the stage-3 one) and adds the other stage's
     rehearsed figure: stage 1 -> 2 is 2.5 ms slower than without the table, -> 3 5.5 ms;
@@ -496,3 +496,24 @@ def test_each_stages_communication_path_is_priced_from_the_engines_rehearsal() -
                                                 "x": 0.001, "0": "y"}  # fmt: skip
     bad = predict.CountedCalls.from_engine_info(info)
     assert bad is not None and bad.management_s == {}
+
+
+def test_without_the_rehearsed_paths_a_change_of_stage_says_it_is_not_calibrated() -> None:
+    """A CPU run of the bundled engine instrumented with `rehearse=False` sends its counted
+    calls but no rehearsed paths: another stage's path on the training thread is unknown
+    (taken as 0, the run's own kept inside its step), and the prediction says so; one with
+    the rehearsed paths is calibrated, as is a change within the stage or a GPU run (whose
+    host-side path is 0 by definition)."""
+    calls = {1: {"all_gather": [2], "reduce_scatter": [2], "all_reduce": [1]},
+             3: {"all_gather": [8], "reduce_scatter": [4]}}  # fmt: skip
+    bare = _counted(stage3_on_cpu(comm_phase_host_s=0.003), calls)
+    to1 = predict.predict(bare, predict.Change(stage=1))
+    assert not to1.calibrated
+    assert to1.basis["management_s_new"] == 0.0
+    info = _table(1000, [1000], calls)
+    info["collective_calls"]["management_s"] = {"1": 0.001, "3": 0.004}
+    rehearsed = dataclasses.replace(bare, counted_calls=predict.CountedCalls.from_engine_info(info))
+    assert predict.predict(rehearsed, predict.Change(stage=1)).calibrated
+    assert predict.predict(bare, predict.Change(stage=3)).calibrated
+    gpu = dataclasses.replace(bare, device="cuda")
+    assert predict.predict(gpu, predict.Change(stage=1)).calibrated

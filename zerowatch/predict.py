@@ -1,90 +1,35 @@
 """The planner calibrated with a run's own measurements: what another ZeRO stage, offload or
-bucket size would cost this job, per rank and per optimizer step.
+bucket size would cost this job, per rank and per optimizer step (the doctor's predictions).
 
-The capacity planner (plan.py) prices a configuration from the ZeRO model alone. Here the
-model is anchored on what the run measured (`Measured`), so that only the *differences*
-between the two configurations come from the model:
+The capacity planner (plan.py) prices a configuration from the ZeRO model alone
+(theory.py). Here the model is anchored on what the run measured (`Measured`: medians over
+its steps), so that only the differences between the two configurations come from the
+model:
 
-- model-state memory: theory.model_state_bytes of the other layout, times the run's own
-  overhead above theory (measured / theoretical device model-state bytes); the peak moves by
-  the same difference (activations and workspace do not depend on the layout);
-- communication: theory.comm_bytes_per_step of each layout turned into seconds with the
-  bus bandwidth the run measured per op (an op the run did not use gets the median of the
-  ones it did). The share of communication compute did not hide stays the run's own;
-- the optimizer step scales with the elements each rank updates (Ψ at stage 0, Ψ/N above);
-- offload adds its host<->device copies (plan._offload_copies) at the run's measured copy
-  bandwidth, or `host_copy_bytes_per_s` where the run did not offload; the CPU step of a GPU
-  run is priced at `cpu_adam_params_per_s` (not calibrated: the prediction says so);
-- a bucket size changes the number of calls of an op: each call costs the run's measured
-  per-call latency (α) plus its bytes at the bandwidth larger messages reached (β; where
-  the run has none, the link's as the engine probed it, `link_busbw`, when the doctor
-  passes it) (without the engine's counts, below: the op's own calls alone, its share
-  exposed);
-- counted calls: the bundled engine counts, at initialization and with its own layout rules,
-  the collective calls each stage makes per step at a range of `reduce_bucket_size` values
-  (engine/counts.py; `engine_info["collective_calls"]`, `CountedCalls` here). Where a run
-  has them, a configuration's communication seconds are its counted calls of each op times
-  the run's measured seconds per call of that op (`counted_comm_seconds`; an op whose
-  messages grow more than CALL_SIZE_FACTOR times, or that the run did not make, takes the
-  median of the others), instead of its bytes at the run's bandwidth: stage 3 gathers every
-  unit twice and cuts units by the module tree, so it makes more calls than its bytes say,
-  and a small bucket makes as many calls as the parameters it splits (a parameter larger
-  than the bucket is a bucket of its own). A `reduce_bucket_size` change within the stage
-  is priced as a change of layout is, part by part (`_counted_bucket`): the communication
-  seconds move by the counted calls of every op at the new size, each at its op's α
-  (`call_costs`: what a call costs beyond its bytes at the run's best bus bandwidth, the
-  bytes being the same), and the exposed waits with them; the comm threads' CPU moves with
-  the calls' ring passes, and the training thread's communication path with the calls it
-  handles (stage 3: its units'; stages 0-2: every bucket's). `bucket_candidates` names a
-  quarter and four times the run's size (the counted sizes nearest that change the calls).
-  Runs without the table (DeepSpeed, FSDP2, older agents) are priced by their bytes, as before;
-- the overlap cost: communication that compute "hides" is not free where both run on the
-  same cores. On a CPU run the agent measures the CPU time of the rank's threads other than
-  the training thread (gloo's communication threads), `other_cpu_s`; with every core of the
-  host held by a rank's compute, each such CPU second is a second some rank's compute does
-  not get (a comm thread that runs while its own rank waits takes the core of another rank,
-  which the step then waits for), so it is part of the step. It moves with the
-  communication: ρ = other_cpu_s / the run's communication seconds (the CPU its threads use
-  per second of communication, measured), and a change that adds or removes communication
-  seconds adds or removes ρ times them; where the engine counted its calls, a layout's
-  comm-thread CPU moves with its calls instead, weighted by their ring passes
-  (`comm_thread_cpu_s`: their CPU goes per call, and latency-seconds carry queueing). On
-  a GPU NCCL runs on the device, on its own streams, and the host threads beside the
-  training thread use almost no CPU; the agent does not measure the term there (None),
-  and it is 0: the model is as before;
-- stage 3's parameter management: at stage 3 the training thread gathers every unit into a
-  pooled buffer, points the parameters at views of it, releases it after use, and reduces
-  each unit's gradients as it is ready (engine/params_sharded.py, reducers.py), work stage
-  1 and 2 do not do. The run measures it as the time of its communication phases
-  (`param_gather`, `grad_reduce`, exclusive parts) that is not spent waiting on a
-  collective: `comm_phase_host_s` = exposed_param_gather + exposed_grad_reduce - exposed
-  comm. A stage-3 run's is removed when the prediction moves to stage 1 or 2 and kept
-  within stage 3; a run below stage 3 has not measured stage 3's, and a prediction up to
-  stage 3 adds what the bundled engine timed of it at initialization on the job's own
-  parameters (engine/rehearsal.py: `rehearsed_management_s`; the bookkeeping alone, less
-  than stage 3 costs a 2-rank CPU run, docs/doctor.md). On a GPU the
-  host's bookkeeping runs ahead of the device's queue and the parts are the device's
-  timeline: not measured there (None), 0.
+    predicted step = measured step - (exposed comm + optimizer + offload copies
+                                      + overlap cost + communication path)
+                                   + (the same five for the other configuration)
 
-- contention: on a CPU run the step less its collective waits is the training thread's
-  work, and the two clocks say how much CPU that took: the training thread's own
-  (`thread_cpu_s`) and, at most, all of its communication threads' (`other_cpu_s`, which
-  can take the core from it). A step that took longer than that, c = (step - exposed comm)
-  / (thread_cpu_s + other_cpu_s) > 1, was off the CPU for reasons of neither: another
-  process had the cores (or the job slept or did I/O inside the step). Everything the run
-  measured in wall-clock time (the step, its waits, the optimizer step, the communication
-  phases, the collectives' seconds and so their bandwidth, the copies) is stretched by it,
-  the CPU clocks are not; the prediction is made from the run with its wall-clock figures
-  divided by c (`uncontended`): for this job with the host to itself. c <= 1 (a host to
-  itself: the waits and the comm threads explain the rest) changes nothing; on a GPU the
-  clocks are not read, and c is 1.
+- model-state memory: theory's bytes of the other layout times the run's own overhead
+  above theory; the peak moves by the same difference;
+- communication: where the bundled engine's calls were counted (`CountedCalls`, from
+  `engine_info["collective_calls"]`, zerowatch/rehearse), each op's calls times the run's
+  measured seconds per call; else theory's bytes at the run's bus bandwidth per op. The
+  share that compute did not hide stays the run's own;
+- the optimizer step scales with the elements a rank updates; offload adds its copies at
+  the run's copy bandwidth (where the run could not measure a rate, an assumed one, and
+  `calibrated` is False);
+- the overlap cost (CPU runs): the CPU the communication threads take from compute
+  (`other_cpu_s`), moving with the communication seconds or the calls' ring passes;
+- the communication path on the training thread outside the waits (`comm_phase_host_s`;
+  stage 3: its parameter management): the run's own at its stage, another stage's as it
+  was rehearsed on the job (`management_s`);
+- contention: a CPU run slowed by another process is first taken back to its host to
+  itself (`uncontended`).
 
-predicted step = measured step - (exposed comm + optimizer + offload copies + overlap now
-                                  + stage-3 parameter management now)
-                               + (the same five for the other configuration)
-                 (each figure of the run as `uncontended` gives it)
-
-Standard library, theory and plan only.
+A `reduce_bucket_size` change is priced the same way, part by part, with the counted calls
+at the new size (`_counted_bucket`). The formulas, the measurements they rest on and their
+limits: docs/doctor.md, "The prediction". Standard library, theory and plan only.
 """
 
 from __future__ import annotations
@@ -133,14 +78,14 @@ class Measured:
     #: Seconds per step of the communication phases (param_gather, grad_reduce: their
     #: exclusive parts) not spent waiting on a collective: the training thread's own work
     #: around the collectives; at stage 3 its parameter management. None: not measured (a
-    #: GPU run, an agent without the exclusive parts).
+    #: GPU run, events without the exclusive parts).
     comm_phase_host_s: float | None = None
-    #: The engine's own count of collective calls per step of each stage and bucket size
-    #: (engine_info["collective_calls"]); None where the engine did not send it.
+    #: The count of the bundled engine's collective calls per step of each stage and
+    #: bucket size (engine_info["collective_calls"]); None where the run has none.
     counted_calls: CountedCalls | None = None
     #: The bus bandwidth the job's links reach with large messages (B/s), where the run's
-    #: own ops carry none large enough to show it: the engine's probe of the link at
-    #: initialization, or a figure the doctor was given. β of the α-β split where it is
+    #: own ops carry none large enough to show it: the probe of the link when the agent
+    #: attached (zerowatch/rehearse/link.py), or a figure the doctor was given. β of the α-β split where it is
     #: above the run's best (`call_costs`, `reference_bandwidth`); None: the run's own.
     link_busbw: float | None = None
 
@@ -152,7 +97,8 @@ def _seconds(v: Any) -> bool:
 @dataclass(frozen=True, kw_only=True)
 class CountedCalls:
     """Collective calls per optimizer step of each stage (0-3) at a range of
-    `reduce_bucket_size` values, as the bundled engine counted them (engine/counts.py)."""
+    `reduce_bucket_size` values, as counted from the bundled engine's layout
+    (zerowatch/rehearse/counts.py)."""
 
     #: The run's own reduce_bucket_size (elements), and the sizes counted, ascending.
     reduce_bucket_size: int
@@ -161,9 +107,9 @@ class CountedCalls:
     calls: dict[int, dict[str, tuple[int, ...]]]
     #: stage -> seconds per step of that stage's communication path on the training thread
     #: outside the collectives' waits (stage 3: its parameter management; stages 0-2: their
-    #: bucket handling), as the engine rehearsed it on the job's parameters and process
-    #: group at initialization (engine/rehearsal.py); empty: not rehearsed (a GPU, an
-    #: engine before the table).
+    #: bucket handling), as rehearsed on the job's process group when the agent attached
+    #: (zerowatch/rehearse/paths.py); empty: not rehearsed (a GPU, one rank, a model built
+    #: under zero.Init, `instrument(rehearse=False)`).
     management_s: dict[int, float] = field(default_factory=dict)
 
     @classmethod
@@ -372,7 +318,7 @@ def _copies(m: Measured, stage: int, off_opt: bool, off_par: bool) -> float:
 def contention(m: Measured) -> float:
     """c >= 1: how much longer the run's step, less its collective waits, took than the CPU
     its training thread and communication threads used (module docstring); 1 where the
-    clocks were not read (a GPU run, an older agent) or explain the step."""
+    clocks were not read (a GPU run, events without them) or explain the step."""
     if m.thread_cpu_s is None or m.other_cpu_s is None or m.device != "cpu":
         return 1.0
     own = max(m.thread_cpu_s, 0.0) + max(m.other_cpu_s, 0.0)
@@ -466,6 +412,9 @@ def predict(m: Measured, change: Change) -> Prediction:
         overlap_now, overlap_new = counted_now, counted_new
         basis["overlap_by_calls"] = 1.0
     manage_now, manage_new = management_s(m, m.stage), management_s(m, st)
+    if st != m.stage and m.device == "cpu" and rehearsed_management_s(m, st) is None:
+        # The other stage's path on the training thread is unknown (not rehearsed): 0.
+        calibrated = False
     step = (m.step_time_s - m.exposed_comm_s - m.optimizer_s - copies_now - overlap_now
             - manage_now + exposed_new + opt_new + copies_new + overlap_new
             + manage_new)  # fmt: skip
@@ -483,7 +432,7 @@ def predict(m: Measured, change: Change) -> Prediction:
 def overlap_cpu_per_comm_s(m: Measured, comm_s: float) -> float:
     """ρ: CPU seconds the rank's communication threads use per second of its communication
     (`other_cpu_s` over `comm_s`, the run's communication seconds per step); 0 where the run
-    did not measure it (a GPU run, an older agent) or communicated nothing."""
+    did not measure it (a GPU run, events without the clock) or communicated nothing."""
     if m.other_cpu_s is None or not comm_s or math.isnan(comm_s) or comm_s <= 0:
         return 0.0
     return max(m.other_cpu_s, 0.0) / comm_s
@@ -525,12 +474,12 @@ def stage3_management_s(m: Measured) -> float:
     return max(m.comm_phase_host_s, 0.0)
 
 
-def rehearsed_management_s(m: Measured, stage: int = 3) -> float | None:
+def rehearsed_management_s(m: Measured, stage: int) -> float | None:
     """Seconds per step of `stage`'s communication path on the training thread outside the
-    collectives' waits, as the engine rehearsed it on the job's parameters and process
-    group at initialization (engine/rehearsal.py: the real calls, asynchronous, with the
-    stage's bookkeeping around them; the median of its passes). None on a GPU and where
-    the engine did not rehearse it."""
+    collectives' waits, as rehearsed on the job's process group when the agent attached
+    (zerowatch/rehearse/paths.py: the real calls, asynchronous, with the stage's
+    bookkeeping around them; the median of its passes). None on a GPU and where it was
+    not rehearsed."""
     cc = m.counted_calls
     if m.device != "cpu" or cc is None:
         return None
@@ -540,11 +489,12 @@ def rehearsed_management_s(m: Measured, stage: int = 3) -> float | None:
 def management_s(m: Measured, stage: int) -> float:
     """Seconds per step of the training thread's communication path outside the
     collectives' waits at `stage` (`comm_phase_host_s`: the communication phases' time
-    less the waits): at the run's own stage what it measured, where the engine rehearsed
-    the stages (a CPU run of the bundled engine) or at stage 3 (its parameter management);
-    at another stage what the engine rehearsed of it. 0 on a GPU (the host's bookkeeping
+    less the waits): at the run's own stage what it measured, where the stages were
+    rehearsed (a multi-rank CPU run of the bundled engine) or at stage 3 (its parameter
+    management); at another stage its rehearsed figure. 0 on a GPU (the host's bookkeeping
     runs ahead of the device's queue) and where neither is there (a lower stage without the
-    rehearsed table: the run's own bucket handling is kept as it is, inside its step)."""
+    rehearsed figures: the run's own bucket handling is kept as it is, inside its step, and
+    the prediction is not `calibrated`)."""
     if m.device != "cpu":
         return 0.0
     rehearsed = m.counted_calls is not None and bool(m.counted_calls.management_s)
