@@ -169,7 +169,7 @@ class RunView:
     step_time: Series = field(default_factory=Series)
     phases: dict[str, Series] = field(default_factory=dict)
     #: The exclusive parts (events.STEP_PARTS), means over ranks: they add up to
-    #: `step_time_mean`. Empty for runs whose agent predates them.
+    #: `step_time_mean`. Empty for runs whose agent does not send them.
     parts: dict[str, Series] = field(default_factory=dict)
     step_time_mean: Series = field(default_factory=Series)
     #: Communication compute hid (mean over ranks): beside the parts, not in their sum.

@@ -119,7 +119,7 @@ def _server(
     Stopped with SIGTERM, never a second SIGINT: a terminal's Ctrl-C has already sent the
     child one SIGINT (the demo and its server share the terminal's process group), and
     uvicorn takes a second SIGINT as "quit now", skipping the app's shutdown, which closes
-    the database: SQLite's `-wal` file (tens of MB after a demo) was left behind."""
+    the database (without it SQLite's `-wal` file, tens of MB after a demo, stays behind)."""
     url = f"http://127.0.0.1:{port}"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
@@ -259,7 +259,7 @@ CONTENDED = 1.10
 
 def _contention(client: httpx.Client, run_id: str) -> float | None:
     """How contended the run's host was, as the server's doctor measured it (None where no
-    finding carries it: a GPU run, an older agent, no prediction made)."""
+    finding carries it: a GPU run, an agent without the CPU clocks, no prediction made)."""
     try:
         resp = client.get(f"/api/v1/runs/{run_id}/findings")
         found = resp.json().get("findings", []) if resp.status_code == 200 else []

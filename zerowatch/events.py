@@ -395,14 +395,14 @@ class StepEvent:
     #: blocked waiting on async ones.
     exposed_comm_s: float = 0.0
     #: The exclusive decomposition (keys from STEP_PARTS; they sum to step_time_s). Empty
-    #: from agents that predate it.
+    #: from an agent that does not send it.
     parts: dict[str, float] = field(default_factory=dict)
     #: Communication that ran while compute went on (overlapped, so not in `parts`).
     hidden_comm_s: float = 0.0
     #: CPU seconds of the step on the training thread, and on the process's other threads
     #: (communication threads: gloo's; the agent's shipper), on a run whose compute runs on
     #: the host's CPU in the training thread alone. None on GPU runs, with intra-op threads
-    #: and from agents that predate it. The doctor prices the cost of communication that
+    #: and from an agent that does not send them. The doctor prices the cost of communication that
     #: overlaps compute with them (docs/doctor.md).
     thread_cpu_s: float | None = None
     other_cpu_s: float | None = None
@@ -432,8 +432,8 @@ class StepEvent:
     #: The node's index from the launcher (torchrun's GROUP_RANK, SLURM_NODEID): the
     #: node's identity, the host name its label (`node_key`); -1 when not launched so.
     node: int = -1
-    #: The rank's GPU during the step (NVML); None off a GPU, without NVML, or from agents
-    #: that predate it.
+    #: The rank's GPU during the step (NVML); None off a GPU, without NVML, or from an agent
+    #: that does not send it.
     gpu: GpuTelemetry | None = None
     #: On a step with a non-finite loss or gradient (and the step after it), where it came
     #: from on this rank (docs/forensics.md): {"local_grad_norm": this rank's gradient norm

@@ -85,8 +85,9 @@ class Measured:
     counted_calls: CountedCalls | None = None
     #: The bus bandwidth the job's links reach with large messages (B/s), where the run's
     #: own ops carry none large enough to show it: the probe of the link when the agent
-    #: attached (zerowatch/rehearse/link.py), or a figure the doctor was given. β of the α-β split where it is
-    #: above the run's best (`call_costs`, `reference_bandwidth`); None: the run's own.
+    #: attached (zerowatch/rehearse/link.py), or a figure the doctor was given. β of the
+    #: α-β split where it is above the run's best (`call_costs`, `reference_bandwidth`);
+    #: None: the run's own.
     link_busbw: float | None = None
 
 

@@ -52,7 +52,7 @@ class SimSpec:
     #: Ranks per host (torchrun's nproc_per_node): rank r runs on host r // ranks_per_host.
     ranks_per_host: int = 8
     #: Events carry the launcher's node index (torchrun's GROUP_RANK: r // ranks_per_host),
-    #: as today's agents send it; False: host names alone, as older agents did.
+    #: as the agent sends it; False: host names alone (an agent without node ids).
     node_ids: bool = False
     #: Every rank's steps carry GPU telemetry (events.GpuTelemetry, as the agent's NVML
     #: probe sends it): a healthy GPU unless named below. On when a GPU knob is set.
