@@ -217,8 +217,8 @@ def _base(url: str, a: argparse.Namespace, stage: str) -> list[tuple[float, floa
 
 
 def _print_counted_calls(url: str, run_id: str) -> None:
-    """The calls a step of each stage makes at the run's bucket size, as the engine counted
-    them at initialization (engine_info["collective_calls"]), which the predictions use."""
+    """The calls a step of each stage makes at the run's bucket size, as the agent counted
+    them when it attached (engine_info["collective_calls"]), which the predictions use."""
     info = httpx.get(f"{url}/api/v1/runs/{run_id}", timeout=30).json().get("engine_info") or {}
     table = info.get("collective_calls")
     if not table:
@@ -233,8 +233,8 @@ def _print_counted_calls(url: str, run_id: str) -> None:
           f"{table['reduce_bucket_size']:,}): {by_stage}")  # fmt: skip
     rehearsed = table.get("management_s")
     if rehearsed:
-        print("each stage's communication path on the training thread as the engine rehearsed "
-              "it at initialization (engine/rehearsal.py): " + ", ".join(
+        print("each stage's communication path on the training thread as the agent rehearsed "
+              "it when it attached (zerowatch/rehearse/paths.py): " + ", ".join(
                   f"stage {st} {v * 1e3:.2f} ms" for st, v in sorted(rehearsed.items())))  # fmt: skip
 
 
