@@ -70,7 +70,7 @@ OFFLOADS: dict[int, list[tuple[str, ...]]] = {
     0: [()], 1: [(), ("offload_optimizer",)], 2: [(), ("offload_optimizer",)],
     3: [(), ("offload_optimizer",), ("offload_param",), ("offload_optimizer", "offload_param")],
 }  # fmt: skip
-#: The collectives each stage sends per step (engine/counts.py), beside the set-up broadcast.
+#: The collectives each stage sends per step (zerowatch/rehearse/counts.py), beside the set-up broadcast.
 STAGE_OPS = {0: {"all_reduce"}, 1: {"all_reduce", "reduce_scatter", "all_gather"},
              2: {"all_reduce", "reduce_scatter", "all_gather"},
              3: {"all_reduce", "reduce_scatter", "all_gather"}}  # fmt: skip
