@@ -66,8 +66,12 @@ class HostClock:
 
 
 class CudaClock:
-    """CUDA-event marks `(host time, event)` on the current stream, resolved when their
-    events have completed; the events are pooled (see the module docstring).
+    """CUDA-event marks `(host time, event, stream id)` on the current stream, resolved
+    when their events have completed; the events are pooled (see the module docstring).
+
+    The events of one stream complete in the order they were recorded, so marks are ready
+    when the last one of each stream is: `ready` queries one event per stream, not one per
+    mark (a query is ~0.7 us, and a 48-layer stage-3 step has ~400 marks).
 
     `torch.cuda.current_stream(device)` builds a Python Stream object each call (3.6 us on
     an H100 host), so the stream object is kept and rebuilt only when the device's current
@@ -89,7 +93,7 @@ class CudaClock:
         #: Events created so far (the pool's size).
         self.created = 0
 
-    def mark(self, t: float) -> tuple[float, Any]:
+    def mark(self, t: float) -> tuple[float, Any, int]:
         key = self._current(self._index)
         if key != self._key:
             self._stream = self._torch.cuda.current_stream(self._index)
@@ -101,10 +105,11 @@ class CudaClock:
             event = self._torch.cuda.Event(enable_timing=True)
             self.created += 1
         event.record(self._stream)
-        return (t, event)
+        return (t, event, key)
 
     def ready(self, marks: Iterable[Any]) -> bool:
-        return all(mark[1].query() for mark in marks)
+        last = {mark[2]: mark[1] for mark in marks}  # stream -> its last event
+        return all(event.query() for event in last.values())
 
     def seconds(self, start: Any, end: Any) -> float:
         return float(start[1].elapsed_time(end[1])) / 1e3

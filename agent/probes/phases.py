@@ -198,7 +198,8 @@ class PhaseWindow:
         self._paired: _Paired | None = None
 
     def _marks(self, log: list[Any]) -> Any:
-        return chain((self.start, self.end), islice(log, 1, None, 2))
+        """The step's marks in the order they were made."""
+        return chain((self.start,), islice(log, 1, None, 2), (self.end,))
 
     def ready(self) -> bool:
         """Whether the step's marks are known (on the host: always)."""

@@ -32,6 +32,8 @@ class Counted:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.device = scripted_cuda.install(monkeypatch)
         self.made = 0
+        #: Every event made, in order.
+        self.events: list[scripted_cuda.Event] = []
         monkeypatch.setattr(torch.cuda, "Event", self._event)
         # (The clock asks torch's C function which stream is current: the scripted one's.)
         monkeypatch.setattr(torch._C, "_cuda_getCurrentStream",
@@ -39,7 +41,8 @@ class Counted:
 
     def _event(self, enable_timing: bool = True) -> scripted_cuda.Event:
         self.made += 1
-        return scripted_cuda.Event(self.device)
+        self.events.append(scripted_cuda.Event(self.device))
+        return self.events[-1]
 
     def at(self, t: float) -> None:
         """The compute stream's queued work now completes at device time `t`."""
@@ -76,11 +79,23 @@ def test_a_window_is_not_ready_until_its_events_have_completed(
 ) -> None:
     cuda = Counted(monkeypatch)
     timer = PhaseTimer(CudaClock("cuda:0"))
-    window = _window(timer, cuda.at)
-    _, event = window.end
-    event.t = None  # (the device has not reached the step's end yet)
+    start = timer.clock.mark(10.0)
+    timer.start("forward", 10.1)
+    with cuda.device.use(scripted_cuda.Stream(cuda.device, "side")):
+        timer.start("offload_d2h", 10.2)  # a mark on another stream
+    timer.end("offload_d2h", 10.3)
+    timer.end("forward", 10.5)
+    window = timer.take(start, timer.clock.mark(11.0))
+    assert window.ready()
+    end = window.end[1]
+    end.t = None  # (the device has not reached the step's end yet)
     assert not window.ready()
-    event.t = 12.0
+    end.t = 11.0
+    on_side = cuda.events[2]  # (start, forward's start, then the copy's start)
+    assert on_side.stream == "side"
+    on_side.t = None  # the side stream's work not done: the step waits for it too
+    assert not window.ready()
+    on_side.t = 10.2
     assert window.ready()
 
 
