@@ -66,7 +66,7 @@ class HostClock:
 
 
 class CudaClock:
-    """CUDA-event marks `(host time, event, stream id)` on the current stream, resolved
+    """CUDA-event marks `(host time, event, stream key)` on the current stream, resolved
     when their events have completed; the events are pooled (see the module docstring).
 
     The events of one stream complete in the order they were recorded, so marks are ready
@@ -93,7 +93,7 @@ class CudaClock:
         #: Events created so far (the pool's size).
         self.created = 0
 
-    def mark(self, t: float) -> tuple[float, Any, int]:
+    def mark(self, t: float) -> tuple[float, Any, Any]:
         key = self._current(self._index)
         if key != self._key:
             self._stream = self._torch.cuda.current_stream(self._index)
