@@ -36,6 +36,8 @@ test: install-dev system-deps
 	$(BIN)/python -m pytest -q
 
 # A wheel of the whole package (docs/deploy.md: onto training nodes and a server host).
+# `make wheel VENV=<an environment with pip and setuptools>` builds it with that one (no
+# .venv created, nothing downloaded): tests/cli/test_wheel.py in a fresh clone.
 wheel: | $(BIN)/python
 	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w dist .
 	@ls dist/zerowatch-*.whl
