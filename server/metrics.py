@@ -44,7 +44,7 @@ from sqlalchemy import Connection, func, select
 from zerowatch.server import models as m
 from zerowatch.server.db import Database
 from zerowatch.server.heartbeats import read_heartbeats
-from zerowatch.server.read import forensics, jobs, rollups, runs, series
+from zerowatch.server.read import forensics, jobs, metric_table, rollups, runs, series
 from zerowatch.server.read.rollups import Stats
 from zerowatch.server.read.vocabulary import rank_values_of
 
@@ -52,8 +52,8 @@ from zerowatch import events as ev
 
 M = ev.METRICS
 BUCKET_BOUNDS = [*(repr(float(b)) for b in ev.LATENCY_BUCKETS), "+Inf"]
-#: The rank statistics exposed per gauge.
-STATS = ("min", "p50", "p90", "max", "mean")
+#: The rank statistics exposed per gauge: a rollup's (metric_table.STATS) but p10.
+STATS = tuple(s for s in metric_table.STATS if s != "p10")
 #: Gauges that also expose `stat="sum"`, the job's total over its ranks.
 SUMMED = ("samples_per_second", "tokens_per_second")
 #: Steps over which the outlier ranks are chosen.
@@ -223,7 +223,7 @@ def _outlier_values(conn: Connection, pk: int, ranks: list[int], step: int) -> d
     if not ranks:
         return {}
     s = m.steps.c
-    cols = [s[c] for c in rollups.STEP_COLS]
+    cols = [s[c] for c in metric_table.ROLLUP_COLUMNS]
     rows = conn.execute(select(*cols).where(s.run == pk, s.step == step, s.rank.in_(ranks))).all()
     values = rank_values_of([r._mapping for r in rows], [() for _ in rows])
     return {int(r.rank): v for r, v in zip(rows, values, strict=True)}

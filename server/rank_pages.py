@@ -20,7 +20,7 @@ from zerowatch.dashboards.rank import HostRank, HostView, RankView, ratio_to_med
 from zerowatch.server import models as m
 from zerowatch.server.db import Database
 from zerowatch.server.page_queries import MAX_POINTS, sample_steps
-from zerowatch.server.read import rollups, runs, series
+from zerowatch.server.read import metric_table, rollups, runs, series
 from zerowatch.server.read.doctor_evidence import gpu_health
 from zerowatch.server.read.rollups import Stats
 from zerowatch.server.read.vocabulary import rank_values_of
@@ -56,7 +56,7 @@ def _gpu(conn: Connection, pk: int, ranks: list[int], steps: list[int]) -> dict[
     sent GPU telemetry, from their rows at those steps."""
     s = m.steps.c
     rows = conn.execute(
-        select(*(s[c] for c in rollups.STEP_COLS))
+        select(*(s[c] for c in metric_table.ROLLUP_COLUMNS))
         .where(s.run == pk, s.rank.in_(ranks), s.step.in_(steps), s.gpu.is_not(None))
         .order_by(s.seq)
     ).all()

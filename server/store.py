@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from sqlalchemy import (
@@ -37,10 +38,9 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from zerowatch.server import models as m
 from zerowatch.server.bulk import TupleInsert
 from zerowatch.server.db import Database
+from zerowatch.server.read.metric_table import FAMILIES, METRIC_COLUMNS, N_BUCKETS
 
 from zerowatch import events as ev
-
-N_BUCKETS = len(ev.LATENCY_BUCKETS) + 1
 
 
 class BatchError(ValueError):
@@ -284,13 +284,14 @@ def validate_batch(batch: ev.EventBatch, *, run_id: str, world_size: int) -> Non
                 raise BatchError((*loc, "collectives", j), "count, bytes and buckets must be >= 0")
 
 
-#: Column order of the rows the writer builds (store.ingest_many), one tuple per row.
+#: Column order of the rows the writer builds (store.ingest_many), one tuple per row: the
+#: rank-step's keys, the columns of the metric table's step metrics (each an attribute of
+#: the event of the same name), its families' JSON columns, the nonfinite forensics.
 STEP_COLUMNS = (
-    "run", "rank", "seq", "step", "time", "step_time_s", "exposed_comm_s", "grad_norm",
-    "clipped", "loss", "loss_scale", "skipped", "nonfinite", "lr", "samples", "tokens",
-    "samples_per_s", "tokens_per_s", "mfu", "phases", "parts", "hidden_comm_s", "offload",
-    "memory", "scalars", "thread_cpu_s", "other_cpu_s", "gpu", "forensics",
+    "run", "rank", "seq", "step", "time", *METRIC_COLUMNS, *FAMILIES.values(), "forensics",
 )  # fmt: skip
+#: A step event's values of the metric table's columns, in their order.
+_metric_values = attrgetter(*METRIC_COLUMNS)
 COLLECTIVE_COLUMNS = (
     "run", "rank", "seq", "op", "purpose", "step", "count", "bytes", "latency_sum_s",
     "latency_max_s", "buckets", "world_size", "algbw", "busbw", "async_count",
@@ -313,11 +314,10 @@ def _step_row(pk: int, e: ev.StepEvent) -> tuple[Any, ...]:
     # The dataclass itself: the JSON column writes it as the dict of its fields (orjson
     # serialises dataclasses natively), and rank_table reads its fields.
     memory: ev.MemoryStats | dict[str, Any] = e.memory if e.memory is not None else {}
+    # In the order of FAMILIES: phases, parts, scalars, offload, memory, gpu.
     return (
-        pk, e.rank, e.seq, e.step, e.time, e.step_time_s, e.exposed_comm_s, e.grad_norm,
-        e.clipped, e.loss, e.loss_scale, e.skipped, e.nonfinite, e.lr, e.samples, e.tokens,
-        e.samples_per_s, e.tokens_per_s, e.mfu, e.phases, e.parts, e.hidden_comm_s, offload,
-        memory, e.scalars, e.thread_cpu_s, e.other_cpu_s, e.gpu, e.forensics,
+        pk, e.rank, e.seq, e.step, e.time, *_metric_values(e), e.phases, e.parts, e.scalars,
+        offload, memory, e.gpu, e.forensics,
     )  # fmt: skip
 
 

@@ -1,7 +1,8 @@
 """Reads: the one read model every page, API route, /metrics, alert input and the doctor use.
 
-Each module is one concept: `vocabulary` (metric names, units, how a rank-step's value is
-read), `rollups` (a package: per-step statistics over ranks, where each value comes from
+Each module is one concept: `metric_table` (each step metric's name, unit, SQL, numpy
+extractor and statistics, defined once), `vocabulary` (metric names and how a rank-step's
+value is read, from the table's definitions), `rollups` (a package: per-step statistics over ranks, where each value comes from
 and why it is right, the roll-up worker and the caches the `Database` owns), `runs`
 (the run resource, ranks and hosts, recent figures), `series` (a metric over steps: rank
 statistics or selected ranks; breakdown, heatmap, outliers), `compare` (runs side by

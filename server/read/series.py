@@ -26,7 +26,7 @@ from sqlalchemy import Connection, func, select
 from zerowatch.server import models as m
 from zerowatch.server.db import Database
 from zerowatch.server.downsample import minmax_downsample
-from zerowatch.server.read import rollups, vocabulary
+from zerowatch.server.read import metric_table, rollups, vocabulary
 from zerowatch.server.read.runs import run_pk
 from zerowatch.server.read.vocabulary import UnknownMetric, metric_unit
 
@@ -251,7 +251,7 @@ def _stats_series(
     values = list(per_step.values())
     stride = max(1, -(-len(steps) // max(max_points, 1)))
     xs: list[int] = []
-    cols: dict[str, list[float]] = {s: [] for s in rollups.STATS}
+    cols: dict[str, list[float]] = {s: [] for s in metric_table.STATS}
     n: list[int] = []
     min_rank: list[int] = []
     max_rank: list[int] = []
@@ -278,7 +278,7 @@ def _stats_series(
         "min_rank": min_rank,
         "max_rank": max_rank,
         "series": [{"stat": s, "steps": xs, "values": cols[s], "points": len(steps)}
-                   for s in rollups.STATS],
+                   for s in metric_table.STATS],
     }  # fmt: skip
 
 
@@ -377,7 +377,7 @@ def metrics_catalog(*, db: Database, run_id: str) -> dict[str, Any] | None:
                 names.update(rollups.compute(conn, pk, [last]).get(last, {}))
 
     def group(name: str) -> str:
-        if name in vocabulary.STEP_COLUMNS or name in vocabulary.DERIVED:
+        if name in metric_table.STEP_METRIC:
             return "step"
         return name.split(".")[0]
 

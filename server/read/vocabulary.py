@@ -1,5 +1,7 @@
 """The metric vocabulary: every name a series, a rollup, the compare view or the catalog
-knows, its unit, and how one rank-step's value of it is read.
+knows, and how one rank-step's value of it is read, for many rank-steps at once (numpy) and
+for one per-rank series (SQL), both from the definitions of metric_table.py (names, units,
+expressions, the collective fields' aggregates).
 
 A name is one of: a step column (`step_time_s`, `exposed_comm_s`, `hidden_comm_s`,
 `thread_cpu_s` and `other_cpu_s` (the step's CPU time on the training thread and on the
@@ -18,13 +20,9 @@ over its limit), `gpu.errors` (XID plus uncorrected ECC errors since the agent a
 and `gpu.reason.<reason>` (0/1: the step's samples saw that slowing reason,
 events.GPU_REASON_LABELS; only reasons some rank-step saw).
 
-`busy_s` is the step time less the communication compute did not hide: the time a rank
-spends computing. Ranks of a synchronous job share their step time (the fast ones wait in
-a collective for the slow one), so busy time is what tells a straggler apart.
-
 Two readers use this vocabulary, and both follow the same definitions: `rank_table` takes
 every metric of many rank-steps at once, as numpy columns over the rank-steps (the
-compactor's rollups, the fresh-steps cache; `rank_values_of`, the same as one dict per
+rollups, the fresh-steps cache; `rank_values_of`, the same as one dict per
 rank-step, for readers of a few rows: /metrics' outlier ranks, the doctor's named ranks,
 the rank and node pages), and a per-rank series reads one metric with SQL (`step_expr`,
 `collective_expr`, read/series.py `rank_rows`).
@@ -32,7 +30,6 @@ the rank and node pages), and a per-rank series reads one metric with SQL (`step
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import chain
@@ -41,62 +38,22 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Float, cast, func
 from zerowatch.server import models as m
+from zerowatch.server.read.metric_table import (
+    COLLECTIVE_FIELD,
+    COLLECTIVE_FIELDS,
+    GPU_DERIVED,
+    GPU_FIELDS,
+    MEMORY_MAPS,
+    MEMORY_SCALARS,
+    OFFLOAD_FIELDS,
+    STEP_METRIC,
+    STEP_METRICS,
+    floats,
+    num,
+)
+from zerowatch.server.read.metric_table import unit as metric_unit
 
 from zerowatch import events as ev
-
-STEP_COLUMNS = {
-    "step_time_s": "s",
-    "exposed_comm_s": "s",
-    "hidden_comm_s": "s",
-    "thread_cpu_s": "s",
-    "other_cpu_s": "s",
-    "grad_norm": "",
-    "loss": "",
-    "lr": "",
-    "loss_scale": "",
-    "samples_per_s": "samples/s",
-    "tokens_per_s": "tokens/s",
-    "mfu": "",
-    "samples": "samples",
-    "tokens": "tokens",
-}
-#: Derived from the step columns: computed, not stored.
-DERIVED = {"busy_s": "s", "skipped": "", "nonfinite": "", "clipped": ""}
-COLLECTIVE_FIELDS = {
-    "latency_s": "s",
-    "latency_max_s": "s",
-    "bytes": "B",
-    "count": "calls",
-    "busbw": "B/s",
-    "algbw": "B/s",
-}
-OFFLOAD_FIELDS = {"bandwidth": "B/s", "bytes": "B", "seconds": "s"}
-MEMORY_SCALARS = {
-    "rss_peak": "rss_peak_bytes",
-    "reserved": "reserved_bytes",
-    "capacity": "capacity_bytes",
-}
-#: The numeric fields of events.GpuTelemetry, with their units.
-GPU_FIELDS = {
-    "sm_clock_mhz": "MHz",
-    "sm_clock_max_mhz": "MHz",
-    "mem_clock_mhz": "MHz",
-    "sm_clock_ratio": "",
-    "throttled_fraction": "",
-    "temperature_c": "°C",
-    "power_w": "W",
-    "power_limit_w": "W",
-    "xid_errors": "errors",
-    "ecc_errors": "errors",
-    "remapped_rows": "rows",
-    "pcie_tx_bytes_per_s": "B/s",
-    "pcie_rx_bytes_per_s": "B/s",
-    "nvlink_tx_bytes_per_s": "B/s",
-    "nvlink_rx_bytes_per_s": "B/s",
-}
-#: Derived from the GPU fields: computed, not stored.
-GPU_DERIVED = {"throttled": "", "power_ratio": "", "errors": "errors"}
-_NESTED_MEMORY = {"peak": "peak_by_phase", "state": "model_state", "theory": "model_state_theory"}
 
 KEY = r"[A-Za-z0-9_./:\-]{1,100}"
 KEY_RE = re.compile(KEY)
@@ -112,26 +69,6 @@ def _key(name: str, metric: str) -> str:
     return name
 
 
-def metric_unit(metric: str) -> str:
-    """The unit of a metric ("s", "B", "B/s", ... or "" for plain numbers)."""
-    if metric in STEP_COLUMNS:
-        return STEP_COLUMNS[metric]
-    if metric in DERIVED:
-        return DERIVED[metric]
-    head, _, rest = metric.partition(".")
-    if head in ("phase", "part"):
-        return "s"
-    if head == "collective":
-        return COLLECTIVE_FIELDS.get(rest.rpartition(".")[2], "")
-    if head == "offload":
-        return OFFLOAD_FIELDS.get(rest.rpartition(".")[2], "")
-    if head == "memory":
-        return "B"
-    if head == "gpu":
-        return GPU_FIELDS.get(rest, GPU_DERIVED.get(rest, ""))
-    return ""
-
-
 def check(metric: str) -> str:
     """Return `metric` if it is a known name, else raise UnknownMetric naming the problem."""
     if metric.startswith("collective."):
@@ -144,10 +81,10 @@ def check(metric: str) -> str:
 def collective_parts(metric: str) -> tuple[str, str]:
     """(op, field) of a `collective.<op>.<field>` name."""
     _, op, fld = [*metric.split("."), "", ""][:3]
-    if op not in ev.COLLECTIVE_OPS or fld not in COLLECTIVE_FIELDS or metric.count(".") != 2:
+    if op not in ev.COLLECTIVE_OPS or fld not in COLLECTIVE_FIELD or metric.count(".") != 2:
         raise UnknownMetric(
             f"unknown metric {metric!r}: expected collective.<op>.<field> with op in "
-            f"{', '.join(ev.COLLECTIVE_OPS)} and field in {', '.join(COLLECTIVE_FIELDS)}"
+            f"{', '.join(ev.COLLECTIVE_OPS)} and field in {', '.join(COLLECTIVE_FIELD)}"
         )
     return op, fld
 
@@ -155,12 +92,9 @@ def collective_parts(metric: str) -> tuple[str, str]:
 def step_expr(metric: str) -> Any:
     """The SQL expression of a steps-table metric, or None for a collective metric."""
     s = m.steps.c
-    if metric in STEP_COLUMNS:
-        return s[metric]
-    if metric == "busy_s":
-        return s.step_time_s - s.exposed_comm_s
-    if metric in ("skipped", "nonfinite", "clipped"):
-        return cast(s[metric], Float)
+    step = STEP_METRIC.get(metric)
+    if step is not None:
+        return step.expr(s)
     head, _, rest = metric.partition(".")
     if head == "phase" and rest:
         return s.phases[_key(rest, metric)].as_float()
@@ -176,8 +110,8 @@ def step_expr(metric: str) -> Any:
         sub, _, name = rest.partition(".")
         if sub in MEMORY_SCALARS and not name:
             return s.memory[MEMORY_SCALARS[sub]].as_float()
-        if sub in _NESTED_MEMORY and name:
-            return s.memory[(_NESTED_MEMORY[sub], _key(name, metric))].as_float()
+        if sub in MEMORY_MAPS and name:
+            return s.memory[(MEMORY_MAPS[sub], _key(name, metric))].as_float()
         if sub in ("peak", "state") and not name:
             raise UnknownMetric(
                 f"metric {metric!r} is a rollup of several keys: read it from the rollups "
@@ -205,41 +139,19 @@ def step_expr(metric: str) -> Any:
 
 
 def collective_expr(metric: str) -> tuple[str, Any]:
-    """(op, SQL aggregate over one rank-step's rows) of a collective metric."""
+    """(op, SQL aggregate over one rank-step's rows) of a collective metric (its field's
+    definition: metric_table.COLLECTIVE_FIELDS)."""
     op, fld = collective_parts(metric)
-    c = m.collectives.c
-    lat = func.sum(c.latency_sum_s)
-    agg = {
-        "latency_s": lat / func.nullif(func.sum(c["count"]), 0),
-        "latency_max_s": func.max(c.latency_max_s),
-        "bytes": func.sum(c.bytes),
-        "count": func.sum(c["count"]),
-        "algbw": func.sum(c.bytes) * 1.0 / func.nullif(lat, 0),
-        "busbw": func.sum(c.busbw * c.latency_sum_s) / func.nullif(lat, 0),
-    }[fld]
-    return op, agg
+    return op, COLLECTIVE_FIELD[fld].expr(m.collectives.c)
 
 
 # -- one rank-step, every metric at once ---------------------------------------------------
-
-_PLAIN = ("step_time_s", "exposed_comm_s", "hidden_comm_s", *tuple(STEP_COLUMNS)[3:])
-
-
-def _num(v: Any) -> float | None:
-    if type(v) is float:  # the common case first: one type check
-        return v if math.isfinite(v) else None
-    if v is None or isinstance(v, bool) or not isinstance(v, int | float):
-        return None
-    f = float(v)
-    return f if math.isfinite(f) else None
-
 
 #: (prefix, key) -> the metric name, or "" for a key the vocabulary refuses: a rank-step
 #: holds some 50 keyed values and a run a few dozen distinct keys, so each key is checked
 #: and named once, not once per rank-step (bounded: user scalars could be many).
 _NAMES: dict[tuple[str, str], str] = {}
 _MAX_NAMES = 100_000
-_NUMBERS = frozenset({float, int, type(None)})
 
 
 def _name(prefix: str, key: str) -> str:
@@ -249,21 +161,6 @@ def _name(prefix: str, key: str) -> str:
         if len(_NAMES) < _MAX_NAMES:
             _NAMES[(prefix, key)] = name
     return name
-
-
-def _floats(values: Sequence[Any]) -> np.ndarray:
-    """`values` as float64, NaN where `_num` has no value (None, bools, text, non-finite)."""
-    if set(map(type, values)) <= _NUMBERS:
-        try:
-            a = np.array(values, dtype=float)
-        except OverflowError:  # an integer beyond a float
-            a = np.array([_num(v) for v in values], dtype=float)
-    else:
-        a = np.array([_num(v) for v in values], dtype=float)
-    bad = ~np.isfinite(a)
-    if bad.any():
-        a[bad] = np.nan
-    return a
 
 
 class _Table:
@@ -300,9 +197,9 @@ class _Table:
         for keys, rows in shapes.items():
             names = [_name(prefix, k) for k in keys]
             if len(rows) == len(dicts):
-                flat = _floats(list(chain.from_iterable(map(dict.values, dicts))))
+                flat = floats(list(chain.from_iterable(map(dict.values, dicts))))
             else:
-                flat = _floats([v for i in rows for v in dicts[i].values()])
+                flat = floats([v for i in rows for v in dicts[i].values()])
             block = flat.reshape(len(rows), len(keys))
             idx = np.array(rows)
             for j, name in enumerate(names):
@@ -326,7 +223,7 @@ def rank_table(
     read/rollups/fresh.py).
 
     The one definition of a rank-step's metrics (`rank_values_of` is this as one dict per
-    rank-step). The compactor calls it with a step's thousands of rows: each column is converted to an
+    rank-step). The roll-up worker calls it with a step's thousands of rows: each column is converted to an
     array once, and the keyed maps (phases, parts, memory) of rank-steps with the same keys
     in one block, instead of one Python operation per value."""
     flat = [c for cs in colls for c in cs]
@@ -346,31 +243,24 @@ def rank_table_of_columns(
     rank-steps (JSON columns decoded), `coll(name)` a collectives column over their rows
     (None: no rows), `at[j]` the rank-step of collectives row j."""
     t = _Table(n)
-    for name in _PLAIN:
-        t.cols[name] = _floats(column(name))
-    busy = np.array(column("step_time_s"), dtype=float) - np.array(
-        column("exposed_comm_s"), dtype=float
-    )
-    busy[~np.isfinite(busy)] = np.nan
-    t.cols["busy_s"] = busy
-    for flag in ("skipped", "nonfinite", "clipped"):
-        t.cols[flag] = np.array([1.0 if v else 0.0 for v in column(flag)])
+    for metric in STEP_METRICS:
+        t.cols[metric.name] = metric.rank(*map(column, metric.columns))
     for prefix, name in (("phase", "phases"), ("part", "parts"), ("scalars", "scalars")):
         t.keyed(prefix, column(name))
     for i, off in enumerate(column("offload")):
         for d, vals in (off or {}).items():
             for fld, v in vals.items():
-                f = _num(v)
+                f = num(v)
                 if f is not None and fld in OFFLOAD_FIELDS:
                     t.col(f"offload.{d}.{fld}")[i] = f
     # A dict (a stored row), or the agent's MemoryStats (the ingest writer's rows).
     mems = [(m if type(m) is dict else vars(m)) if m else {} for m in column("memory")]
     if any(mems):
         for short, long in MEMORY_SCALARS.items():
-            a = _floats([m.get(long) for m in mems])
+            a = floats([m.get(long) for m in mems])
             a[a == 0.0] = np.nan  # a zero reading is no reading
             t.cols[f"memory.{short}"] = a
-        for short, long in _NESTED_MEMORY.items():
+        for short, long in MEMORY_MAPS.items():
             names = t.keyed(f"memory.{short}", [m.get(long) for m in mems])
             if names and short == "peak":
                 t.cols["memory.peak"] = np.fmax.reduce([t.cols[x] for x in names])
@@ -381,37 +271,48 @@ def rank_table_of_columns(
                 total[~have] = np.nan
                 t.cols["memory.state"] = total
     _gpu_columns(t, column("gpu"))
-    # Every collectives row of every rank-step at once; `at` is the rank-step of each.
     if coll is not None:
-        ops = coll("op")
-        lat_all = np.array(coll("latency_sum_s"), dtype=float)
-        count_all = np.array(coll("count"), dtype=float)
-        bytes_all = np.array(coll("bytes"), dtype=float)
-        busbw_lat_all = np.array(coll("busbw"), dtype=float) * lat_all
-        max_all = np.array(coll("latency_max_s"), dtype=float)
-        op_of = np.array(ops, dtype=object)
-        for op in dict.fromkeys(ops):
-            sel = np.flatnonzero(op_of == op)
-            idx = at[sel]
-            lat = np.bincount(idx, weights=lat_all[sel], minlength=n)
-            count = np.bincount(idx, weights=count_all[sel], minlength=n)
-            nbytes = np.bincount(idx, weights=bytes_all[sel], minlength=n)
-            busbw_lat = np.bincount(idx, weights=busbw_lat_all[sel], minlength=n)
-            lat_max = np.zeros(n)
-            np.maximum.at(lat_max, idx, max_all[sel])
-            has = np.bincount(idx, minlength=n) > 0
-            p = f"collective.{op}."
-            with np.errstate(divide="ignore", invalid="ignore"):
-                for name, value, ok in (
-                    ("bytes", nbytes, has),
-                    ("count", count, has),
-                    ("latency_max_s", lat_max, has),
-                    ("latency_s", lat / count, has & (count > 0)),
-                    ("algbw", nbytes / lat, has & (lat > 0)),
-                    ("busbw", busbw_lat / lat, has & (lat > 0)),
-                ):
-                    t.cols[p + name] = np.where(ok, value, np.nan)
+        _collective_columns(t, coll, at)
     return {name: c for name, c in t.cols.items() if not np.isnan(c).all()}
+
+
+def _collective_columns(t: _Table, coll: Callable[[str], Sequence[Any]], at: np.ndarray) -> None:
+    """collective.<op>.<field> columns of every collectives row of every rank-step at once
+    (`at[j]`: the rank-step of row j), each field as metric_table.COLLECTIVE_FIELDS defines
+    it: per op a sum (or max) over each rank-step's rows, divided by another sum."""
+    n = t.n
+    ops = coll("op")
+    op_of = np.array(ops, dtype=object)
+    cols: dict[str, np.ndarray] = {}
+
+    def column(name: str) -> np.ndarray:
+        if name not in cols:
+            cols[name] = np.array(coll(name), dtype=float)
+        return cols[name]
+
+    products = {f.of: np.prod([column(c) for c in f.of], axis=0) for f in COLLECTIVE_FIELDS}
+    for op in dict.fromkeys(ops):
+        sel = np.flatnonzero(op_of == op)
+        idx = at[sel]
+        has = np.bincount(idx, minlength=n) > 0
+        sums: dict[str, np.ndarray] = {}
+        p = f"collective.{op}."
+        for f in COLLECTIVE_FIELDS:
+            value: np.ndarray
+            if f.agg == "max":
+                value = np.zeros(n)
+                np.maximum.at(value, idx, products[f.of][sel])
+            else:
+                value = np.bincount(idx, weights=products[f.of][sel], minlength=n)
+            ok = has
+            if f.per is not None:
+                if f.per not in sums:
+                    sums[f.per] = np.bincount(idx, weights=column(f.per)[sel], minlength=n)
+                den = sums[f.per]
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    value = value / den
+                ok = has & (den > 0)
+            t.cols[p + f.name] = np.where(ok, value, np.nan)
 
 
 def _gpu_columns(t: _Table, values: Sequence[Any]) -> None:
@@ -421,7 +322,7 @@ def _gpu_columns(t: _Table, values: Sequence[Any]) -> None:
     if not any(gpus):
         return
     for fld in GPU_FIELDS:
-        t.cols[f"gpu.{fld}"] = _floats([g.get(fld) if g else None for g in gpus])
+        t.cols[f"gpu.{fld}"] = floats([g.get(fld) if g else None for g in gpus])
     throttled = t.cols["gpu.throttled_fraction"]
     t.cols["gpu.throttled"] = np.where(np.isnan(throttled), np.nan, (throttled > 0) * 1.0)
     limit = t.cols["gpu.power_limit_w"]
@@ -468,14 +369,7 @@ def rank_values_of(
 
 
 __all__ = [
-    "COLLECTIVE_FIELDS",
-    "DERIVED",
-    "GPU_DERIVED",
-    "GPU_FIELDS",
     "KEY_RE",
-    "MEMORY_SCALARS",
-    "OFFLOAD_FIELDS",
-    "STEP_COLUMNS",
     "UnknownMetric",
     "check",
     "collective_expr",

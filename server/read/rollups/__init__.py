@@ -42,6 +42,7 @@ processes), retention (thinning old rows), fresh (the fresh-steps cache), shared
 (its byte format and cross-process table), live_memo, caches, tuning.
 """
 
+from zerowatch.server.read.metric_table import ROLLUP_COLUMNS as STEP_COLS
 from zerowatch.server.read.rollups.caches import ReadCaches, caches_of
 from zerowatch.server.read.rollups.compute import compute
 from zerowatch.server.read.rollups.reader import (
@@ -56,17 +57,14 @@ from zerowatch.server.read.rollups.reader import (
     step_bounds,
 )
 from zerowatch.server.read.rollups.retention import Retention
-from zerowatch.server.read.rollups.rows import STEP_COLS
-from zerowatch.server.read.rollups.stats import OUTLIER_METRICS, STATS, Stats, quantile
+from zerowatch.server.read.rollups.stats import Stats, quantile
 from zerowatch.server.read.rollups.totals import NONFINITE, SKIPPED, totals
 from zerowatch.server.read.rollups.tuning import ReadTuning
 from zerowatch.server.read.rollups.worker import RollupWorker
 
 __all__ = [
     "NONFINITE",
-    "OUTLIER_METRICS",
     "SKIPPED",
-    "STATS",
     "STEP_COLS",
     "ReadCaches",
     "ReadTuning",

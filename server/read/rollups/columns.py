@@ -15,12 +15,8 @@ from itertools import chain
 from typing import Any
 
 import numpy as np
+from zerowatch.server.read.metric_table import N_BUCKETS
 from zerowatch.server.read.vocabulary import rank_table
-
-from zerowatch import events as ev
-
-#: Counts in a collective's latency histogram: one per LATENCY_BUCKETS bucket, +Inf last.
-N_BUCKETS = len(ev.LATENCY_BUCKETS) + 1
 
 
 @dataclass(slots=True)
@@ -146,4 +142,4 @@ class Found:
         return StepColumns(self.ranks.copy(), cols, hists, sums)
 
 
-__all__ = ["N_BUCKETS", "Block", "Found", "StepColumns", "block_of"]
+__all__ = ["Block", "Found", "StepColumns", "block_of"]

@@ -9,10 +9,11 @@ from collections.abc import Callable, Iterable
 
 from sqlalchemy import Connection, select
 from zerowatch.server import models as m
+from zerowatch.server.read.metric_table import OUTLIER_METRICS
 from zerowatch.server.read.rollups.caches import caches_of
 from zerowatch.server.read.rollups.columns import StepColumns
 from zerowatch.server.read.rollups.rows import columns_from_rows, newest_keys
-from zerowatch.server.read.rollups.stats import OUTLIER_METRICS, Stats, stats_of
+from zerowatch.server.read.rollups.stats import Stats, stats_of
 
 
 def compute(

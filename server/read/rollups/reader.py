@@ -211,13 +211,6 @@ def step_bounds(conn: Connection, pk: int) -> tuple[int, int] | None:
 
 
 __all__ = [
-    "dirty_in",
-    "dirty_versions",
-    "in_backlog",
-    "live_steps",
-    "metric_names",
-    "newest_rolled_up",
-    "newest_steps",
-    "read",
-    "step_bounds",
-]
+    "dirty_in", "dirty_versions", "in_backlog", "live_steps", "metric_names", "newest_rolled_up",
+    "newest_steps", "read", "step_bounds",
+]  # fmt: skip

@@ -19,26 +19,23 @@ import numpy as np
 import orjson
 from sqlalchemy import Connection, select
 from zerowatch.server import models as m
-from zerowatch.server.read.rollups.columns import N_BUCKETS, StepColumns
+from zerowatch.server.read.metric_table import (
+    COLLECTIVE_READS,
+    FAMILIES,
+    N_BUCKETS,
+    ROLLUP_COLUMNS,
+)
+from zerowatch.server.read.rollups.columns import StepColumns
 from zerowatch.server.read.vocabulary import rank_table_of_columns
 
 from zerowatch import events as ev
 
-#: The steps columns a rollup reads: the rank-step's keys and the columns
-#: `vocabulary.rank_table` reads.
-STEP_COLS = (
-    "rank", "seq", "step", "step_time_s", "exposed_comm_s", "hidden_comm_s", "grad_norm",
-    "loss", "lr", "loss_scale", "samples_per_s", "tokens_per_s", "mfu", "samples", "tokens",
-    "skipped", "nonfinite", "clipped", "phases", "parts", "offload", "memory", "scalars",
-    "thread_cpu_s", "other_cpu_s", "gpu",
-)  # fmt: skip
-_COLL_COLS = ("rank", "seq", "op", "count", "bytes", "latency_sum_s", "latency_max_s", "busbw",
-              "buckets")  # fmt: skip
-_STEP_AT = {name: i for i, name in enumerate(STEP_COLS)}
+_COLL_COLS = ("rank", "seq", "op", *COLLECTIVE_READS, "buckets")
+_STEP_AT = {name: i for i, name in enumerate(ROLLUP_COLUMNS)}
 _COLL_AT = {name: i for i, name in enumerate(_COLL_COLS)}
 _STEP, _RANK, _SEQ = _STEP_AT["step"], _STEP_AT["rank"], _STEP_AT["seq"]
 _STEP_RANK_SEQ = operator.itemgetter(_STEP, _RANK, _SEQ)
-_JSON_AT = [_STEP_AT[name] for name in ("phases", "parts", "offload", "memory", "scalars", "gpu")]
+_JSON_AT = [_STEP_AT[name] for name in FAMILIES.values()]
 _BUCKETS = _COLL_AT["buckets"]
 
 
@@ -80,7 +77,7 @@ def columns_from_rows(
     if not chunk:
         return {}
     s, c = m.steps.c, m.collectives.c
-    query = select(*(s[n] for n in STEP_COLS)).where(s.run == pk, s.step.in_(chunk))
+    query = select(*(s[n] for n in ROLLUP_COLUMNS)).where(s.run == pk, s.step.in_(chunk))
     coll_query = select(*(c[n] for n in _COLL_COLS)).where(
         c.run == pk, c.op.in_(ev.COLLECTIVE_OPS), c.step.in_(chunk)
     )
@@ -179,4 +176,4 @@ def _step_hists(
     return out
 
 
-__all__ = ["STEP_COLS", "columns_from_rows", "newest_keys", "raw_rows"]
+__all__ = ["columns_from_rows", "newest_keys", "raw_rows"]

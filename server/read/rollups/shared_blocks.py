@@ -27,7 +27,8 @@ import numpy as np
 import orjson
 from sqlalchemy import Connection, Engine, delete, func, insert, select
 from zerowatch.server import models as m
-from zerowatch.server.read.rollups.columns import N_BUCKETS, Block
+from zerowatch.server.read.metric_table import N_BUCKETS
+from zerowatch.server.read.rollups.columns import Block
 from zerowatch.server.read.rollups.tuning import ReadTuning
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,8 @@
 
 Quantiles are linear interpolations between order statistics (numpy's default); ties for
 the min or max name the lowest rank; the mean is math.fsum's. For the metrics that name
-outliers (`OUTLIER_METRICS`) the `top_k` ranks at either end are kept too.
+outliers (metric_table.OUTLIER_METRICS) the `top_k` ranks at either end are kept too.
+The statistics (`STATS`) are the metric table's.
 """
 
 from __future__ import annotations
@@ -13,24 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-from zerowatch import events as ev
-
-STATS = ("min", "p10", "p50", "p90", "max", "mean")
-#: Metrics whose rollups keep the ranks at both ends (outlier tables, /metrics' per-rank
-#: series, the doctor's straggler finding).
-OUTLIER_METRICS = frozenset(
-    {
-        "busy_s",
-        "step_time_s",
-        "exposed_comm_s",
-        "memory.peak",
-        "memory.state",
-        *(f"collective.{op}.busbw" for op in ev.COLLECTIVE_OPS),
-        *(f"collective.{op}.latency_s" for op in ev.COLLECTIVE_OPS),
-        *(f"part.{p}" for p in ev.STEP_PARTS),
-    }
-)
 
 
 @dataclass(slots=True)
@@ -101,4 +84,4 @@ def stats_of(values: np.ndarray, ranks: np.ndarray, *, ends: bool, k: int) -> St
     return st
 
 
-__all__ = ["OUTLIER_METRICS", "STATS", "Stats", "quantile", "stats_of"]
+__all__ = ["Stats", "quantile", "stats_of"]

@@ -11,7 +11,7 @@ from typing import Any
 
 from sqlalchemy import Connection, select
 from zerowatch.server import models as m
-from zerowatch.server.read.rollups.columns import N_BUCKETS
+from zerowatch.server.read.metric_table import N_BUCKETS
 
 from zerowatch import events as ev
 
