@@ -242,26 +242,13 @@ def _outlier_rows(view: RunView, run_id: str) -> list[dict[str, Any]]:
     ]
 
 
-#: Findings of recently shown runs: (run id, newest step, newest event) -> (when, findings).
-_FINDINGS: dict[tuple[str, int, Any], tuple[float, Any]] = {}
-_FINDINGS_TTL_S = 30.0
-
-
 def _findings(db: Any, run_id: str, view: RunView, recent_steps: int) -> Any:
-    """The doctor's findings for the run page. They follow from the stored steps, so a
-    reload while no step arrived reuses them (for at most _FINDINGS_TTL_S, which bounds how
-    long a late rank's change can go unseen); the doctor costs a few hundred ms on a long
-    run, a third of the page."""
-    key = (run_id, view.last_step, view.run.get("last_event_at"))
-    now = time.monotonic()
-    hit = _FINDINGS.get(key)
-    if hit is not None and now - hit[0] < _FINDINGS_TTL_S:
-        return hit[1]
-    found = doctor.findings(db=db, run_id=run_id, recent_steps=recent_steps)
-    if len(_FINDINGS) >= 64:
-        _FINDINGS.clear()
-    _FINDINGS[key] = (now, found)
-    return found
+    """The doctor's findings for the run page, reused while the run is unchanged (the
+    database's memo: read/findings_memo.py)."""
+    key = (run_id, view.last_step, view.run.get("last_event_at"), recent_steps)
+    return db.caches.findings.get(
+        key, lambda: doctor.findings(db=db, run_id=run_id, recent_steps=recent_steps)
+    )
 
 
 def _view(db: Any, settings: Any, run_id: str) -> RunView | None:

@@ -2,7 +2,8 @@
 connections it hands out.
 
 `ReadCaches` bundles the tuning (tuning.py) with the fresh-steps cache (fresh.py, which
-publishes through shared_blocks.py) and the readers' memo of dirty steps (live_memo.py).
+publishes through shared_blocks.py), the readers' memo of dirty steps (live_memo.py) and
+the run page's memo of doctor findings (read/findings_memo.py).
 `Database` makes one when it opens (`Database.open(url, tuning=...)`: the app passes
 `Settings.read`) and keeps it as `db.caches`; the ingest writer, the store and the
 roll-up worker take it from there. The readers take a `Connection`: every connection of
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Connection, Engine, event
+from zerowatch.server.read.findings_memo import FindingsMemo
 from zerowatch.server.read.rollups.fresh import FreshSteps
 from zerowatch.server.read.rollups.live_memo import LiveMemo
 from zerowatch.server.read.rollups.shared_blocks import SharedBlocks
@@ -34,6 +36,8 @@ class ReadCaches:
     fresh: FreshSteps
     #: Readers' rollups of dirty steps, by the version of their marks (live_memo.py).
     live: LiveMemo
+    #: The run page's doctor findings, by the run's version (read/findings_memo.py).
+    findings: FindingsMemo
 
     @classmethod
     def attach(cls, engine: Engine, tuning: ReadTuning) -> ReadCaches:
@@ -42,6 +46,7 @@ class ReadCaches:
             tuning=tuning,
             fresh=FreshSteps(tuning, SharedBlocks(engine, tuning)),
             live=LiveMemo(tuning.live_memo_steps),
+            findings=FindingsMemo(max_runs=tuning.findings_runs, ttl_s=tuning.findings_ttl_s),
         )
 
         @event.listens_for(engine, "checkout")
