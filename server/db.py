@@ -43,7 +43,7 @@ MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
 
 def _json_loads(text: str | bytes) -> Any:
-    """JSON columns back to Python: orjson (the compactor decodes several per rank-step), the
+    """JSON columns back to Python: orjson (the roll-up worker decodes several per rank-step), the
     standard library for what orjson refuses (a NaN written by an older server)."""
     try:
         return orjson.loads(text)

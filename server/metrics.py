@@ -255,7 +255,7 @@ def _collect_run(conn: Connection, fam: _Families, row: Any, *, top_k: int, now:
     fam.skipped.add_metric(run, tot.get(rollups.SKIPPED, (0.0, []))[0])
     fam.nonfinite.add_metric(run, tot.get(rollups.NONFINITE, (0.0, []))[0])
     for op in ev.COLLECTIVE_OPS:
-        value, buckets = tot.get(f"hist.{op}", (0.0, []))
+        value, buckets = tot.get(rollups.hist_key(op), (0.0, []))
         if not buckets:
             continue
         cum, acc = [], 0
@@ -263,10 +263,10 @@ def _collect_run(conn: Connection, fam: _Families, row: Any, *, top_k: int, now:
             acc += n
             cum.append((bound, acc))
         fam.latency.add_metric([*run, op], cum, value)
-    # The newest step the compactor has rolled up: its ranks have arrived (a step still
+    # The newest step the roll-up worker has rolled up: its ranks have arrived (a step still
     # arriving would show part of its distribution) and reading it costs a row per metric.
-    # Its stored rollups are read as the compactor left them (a late rank that marked it
-    # dirty again shows after the compactor's next pass), so such a scrape never computes
+    # Its stored rollups are read as the roll-up worker left them (a late rank that marked it
+    # dirty again shows after the roll-up worker's next pass), so such a scrape never computes
     # steps from rows. A run with nothing rolled up yet shows its newest step, computed
     # from its rows.
     step = rollups.newest_rolled_up(conn, pk, "step_time_s")

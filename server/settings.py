@@ -50,7 +50,7 @@ class Settings:
     #: Most spans in one trace export (the sampled steps' phase, collective and offload
     #: slices); beyond them the export is cut and says so (X-Zerowatch-Trace-Cut).
     max_trace_spans: int = 250_000
-    #: How often the compactor rolls dirty steps up, and how long a step's first rank
+    #: How often the roll-up worker rolls dirty steps up, and how long a step's first rank
     #: waits for the others before its first rollup (reads are exact either way).
     rollup_interval_s: float = 0.5
     rollup_settle_s: float = 0.5

@@ -57,8 +57,8 @@ from zerowatch.server.read.rollups.reader import (
     step_bounds,
 )
 from zerowatch.server.read.rollups.retention import Retention
-from zerowatch.server.read.rollups.stats import Stats, quantile
-from zerowatch.server.read.rollups.totals import NONFINITE, SKIPPED, totals
+from zerowatch.server.read.rollups.stats import Stats
+from zerowatch.server.read.rollups.totals import NONFINITE, SKIPPED, hist_key, totals
 from zerowatch.server.read.rollups.tuning import ReadTuning
 from zerowatch.server.read.rollups.worker import RollupWorker
 
@@ -75,12 +75,12 @@ __all__ = [
     "compute",
     "dirty_in",
     "dirty_versions",
+    "hist_key",
     "in_backlog",
     "live_steps",
     "metric_names",
     "newest_rolled_up",
     "newest_steps",
-    "quantile",
     "read",
     "step_bounds",
     "totals",
