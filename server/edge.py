@@ -15,8 +15,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import functools
 import socket
 from typing import Any
 
@@ -74,50 +74,13 @@ class TrustedHosts:
 
 def deadline_protocol(head_s: float, body_s: float) -> Any:
     """uvicorn's httptools protocol with the head and body deadlines of the module
-    docstring; None where httptools is missing (uvicorn's own protocol then)."""
+    docstring (server/deadlines.py), as a picklable factory: uvicorn hands it to each of
+    `--workers` processes. None where httptools is missing (uvicorn's own protocol then)."""
     try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+        from zerowatch.server.deadlines import DeadlineProtocol
     except ImportError:
         return None
-
-    class DeadlineProtocol(HttpToolsProtocol):  # type: ignore[misc]
-        _deadline: asyncio.TimerHandle | None = None
-
-        def _arm(self, seconds: float) -> None:
-            self._disarm()
-            self._deadline = self.loop.call_later(seconds, self._too_slow)
-
-        def _disarm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
-
-        def _too_slow(self) -> None:
-            self._deadline = None
-            if not self.transport.is_closing():
-                self.transport.close()
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm(head_s)
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._arm(head_s)
-
-        def on_headers_complete(self) -> None:
-            super().on_headers_complete()
-            self._arm(body_s)
-
-        def on_message_complete(self) -> None:
-            super().on_message_complete()
-            self._disarm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-    return DeadlineProtocol
+    return functools.partial(DeadlineProtocol, head_s=head_s, body_s=body_s)
 
 
 __all__ = ["TrustedHosts", "deadline_protocol", "default_allowed_hosts", "parse_hosts"]
