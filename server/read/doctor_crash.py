@@ -25,7 +25,7 @@ from typing import Any
 
 from sqlalchemy import Connection, select
 from zerowatch.server import models as m
-from zerowatch.server.read.doctor_checks import Finding
+from zerowatch.server.read.doctor_finding import Finding
 
 from zerowatch.plan import fmt_bytes
 

@@ -9,7 +9,7 @@ API (`figures`) and `zerowatch doctor` take these objects, so a label means one 
   `step_time_s`, also the runs list's, compare's and the demo summary's);
 - exposed share: the same recent figures' exposed communication over their step time (the
   median rank's);
-- straggler: the doctor's straggler finding (doctor_checks.straggler): the rank, and the
+- straggler: the doctor's straggler finding (doctor_ranks.straggler): the rank, and the
   median over the doctor's window of its busy time over each step's median rank; "none"
   where the doctor names no straggler.
 
