@@ -8,8 +8,12 @@ and why it is right, the roll-up worker and the caches the `Database` owns), `ru
 statistics or selected ranks; breakdown, heatmap, outliers), `compare` (runs side by
 side), `trace` (Chrome-trace export), `jobs` (a run's checkpoint calls; the runs of one
 job across restarts and where its time went), and the doctor: `doctor` (the entry,
-`findings`), `doctor_evidence` (what it reads), `doctor_checks` (one function per kind of
-finding), `doctor_crash` (the crash findings), `doctor_settings` (the thresholds) and
+`findings`), `doctor_evidence` (what it reads), `doctor_checks` (the table of checks, one
+function per kind of finding, in `doctor_ranks`, `doctor_comm`, `doctor_memory`,
+`doctor_training` and `doctor_stage`; `doctor_measured` the run as the planner sees it,
+`doctor_finding` the `Finding`), `doctor_figures` (the run's named figures: step time,
+exposed share, straggler), `doctor_crash` (the crash findings), `doctor_settings` (the
+thresholds) and
 `forensics` (hang and desync findings from the ranks' heartbeats).
 
 The functions a route calls are keyword-only, take the `Database` as `db` and return plain
