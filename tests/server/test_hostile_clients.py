@@ -163,7 +163,7 @@ def _post_steps(client, spec, run_id: str, n: int, mutate=None) -> Any:
 
 
 def test_a_step_with_more_spans_than_an_agent_sends_is_refused_naming_the_field(client):
-    from zerowatch.server.store import MAX_SPANS_PER_STEP
+    from zerowatch.server.checks import MAX_SPANS_PER_STEP
 
     from zerowatch import simulate
 
