@@ -28,7 +28,7 @@ from zerowatch.dashboards import plan as plan_figs
 from zerowatch.dashboards import rank as rank_figs
 from zerowatch.dashboards import run as run_figs
 from zerowatch.dashboards import theme as th
-from zerowatch.dashboards.data import RunView, Series
+from zerowatch.dashboards.data import RunView, Series, Straggler
 from zerowatch.server import page_queries, rank_pages, read
 from zerowatch.server.deps import DbDep, SettingsDep, require_read
 from zerowatch.server.read import doctor, doctor_figures, jobs
@@ -178,7 +178,7 @@ def _page_link(project: str | None, status: str | None, tag: str | None, page: i
 
 def _summary(view: RunView, named: dict[str, Any] | None = None) -> dict[str, str]:
     """The tiles' texts; `named`: the doctor's figures (read/doctor_figures.py), whose
-    straggler the tile shows (without them, as on a live update, the tile is left as is)."""
+    straggler the tile shows (without them, the tile is left as is)."""
     run = view.run
     # Over the same steps as the step-time tile (the run's recent figures), the median rank.
     exposed = doctor_figures.exposed_share(run.get("recent") or {}, 0)
@@ -195,6 +195,13 @@ def _summary(view: RunView, named: dict[str, Any] | None = None) -> dict[str, st
     if named is not None:
         out["straggler"] = named["straggler"]["text"] if "straggler" in named else "none"
     return out
+
+
+def _doctors_straggler(view: RunView, named: dict[str, Any]) -> None:
+    """The rank heatmap names the doctor's straggler (the tile's figure), not its own."""
+    lag = named.get("straggler") or {}
+    view.straggler = (Straggler(rank=int(lag["rank"]), mean=float(lag["value"]), median=1.0)
+                      if lag.get("rank") is not None else None)  # fmt: skip
 
 
 def _refine(view: RunView, run_id: str, figures: dict[str, Any]) -> list[dict[str, Any]]:
@@ -262,10 +269,11 @@ def run_page(run_id: str, db: DbDep, settings: SettingsDep) -> HTMLResponse:
     view = _view(db, settings, run_id)
     if view is None:
         return _not_found("Run not found", f"No run with id {run_id!r} is stored here.")
-    figures = run_figs.figures(view)
     run = view.run
     found = _findings(db, run_id, view, settings.recent_steps)
     named = (found or {}).get("figures") or {}
+    _doctors_straggler(view, named)
+    figures = run_figs.figures(view)
     summary = _summary(view, named)
     return _page(
         "run.html",
@@ -329,9 +337,12 @@ def run_figures(
     }
     view = _view(db, settings, run_id) if last_step > since else None
     if view is not None:
+        # The doctor's figures, once per version of the run (its memo), for the straggler.
+        named = (_findings(db, run_id, view, settings.recent_steps) or {}).get("figures") or {}
+        _doctors_straggler(view, named)
         figures = run_figs.figures(view)
         body.update(status=view.run["status"], last_step=view.last_step,
-                    changed=view.last_step > since, summary=_summary(view),
+                    changed=view.last_step > since, summary=_summary(view, named),
                     figures=html.figures_payload(figures),
                     refine=_refine(view, run_id, figures))  # fmt: skip
         body["status_color"] = th.STATUS_COLORS.get(body["status"], "#636e72")

@@ -9,6 +9,7 @@ read the newest 100, the runs list and the run page the newest 20)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 from fastapi.testclient import TestClient
@@ -140,6 +141,16 @@ def test_the_findings_and_zerowatch_doctor_name_the_tiles_figures(tmp_path, monk
                          "straggler": straggler["text"]}  # fmt: skip
         for fig in (step, exposed, straggler):  # each tile's hint names its statistic
             assert str(escape(fig["stat"])) in page
+        # The rank heatmap names the same straggler with the same number, on the page and
+        # when a live page redraws it.
+        excess = straggler["text"].removeprefix("rank 1 (").removesuffix(")")
+        heat = f"straggler: rank 1 ({excess} vs median rank)"
+        assert re.findall(r"straggler: rank \d+ \([^)]*\)", page) == [heat]
+        live = c.get(f"/runs/{rid}/figures.json", params={"since": -1}).json()
+        assert (
+            heat in json.dumps(live["figures"])
+            and live["summary"]["straggler"] == straggler["text"]
+        )
         # The runs list, compare and the demo's summary: the same step time.
         assert c.get("/api/v1/runs").json()["runs"][0]["step_time_s"] == step["value"]
         assert step["text"] in c.get("/").text
