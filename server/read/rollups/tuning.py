@@ -78,8 +78,8 @@ class ReadTuning:
     # -- memos of readers -------------------------------------------------------------------
     #: Dirty steps whose reader-computed rollups are kept (live_memo.py).
     live_memo_steps: int = 256
-    #: The run page's doctor findings kept (read/findings_memo.py): runs, and seconds each is reused
-    #: (bounds how long a late rank's change can go unseen).
+    #: The run page's doctor findings kept (read/findings_memo.py): runs, and seconds each
+    #: is reused (bounds how long a late rank's change can go unseen).
     findings_runs: int = 64
     findings_ttl_s: float = 30.0
 
