@@ -35,7 +35,7 @@ clocks. The training thread only asks whether a waiting step's timings are known
 clock: at once on the host, its CUDA events on a GPU).
 
 The callbacks the engine calls most are small: a nested phase's boundary is a dict lookup
-and two appends to the phase log (`_Boundary`; the clock's mark: the time itself on the
+and two appends to the phase log (`_boundary_callback`; the clock's mark: the time itself on the
 host, a pooled CUDA event recorded on a GPU), a collective one append and the flight
 recorder's store. `step` and the top-level phases take the long way (`_other_phase_*`),
 which also reads memory, only on the steps that read it (`_route_top_level`).
@@ -260,19 +260,20 @@ class StepRecorder:
 
     def _make_callbacks(self) -> None:
         """The phase-boundary callbacks: a nested phase's boundary goes straight to the
-        phase log (`_Boundary`); `step` and the top-level phases take the long way
+        phase log (`_boundary_callback`); `step` and the top-level phases take the long way
         (`_other_phase_*`: step assembly, memory readings) unless `_route_top_level` sends
         them the short way on steps that read no memory."""
         codes = self._timer.codes
-        self._starts = _Boundary(dict(codes.start), self._timer, self._other_phase_start,
-                                 self._health, "start")  # fmt: skip
-        self._ends = _Boundary(dict(codes.end), self._timer, self._other_phase_end,
-                               self._health, "end")  # fmt: skip
+        #: Phase -> the boundary code the callbacks log, or -1 for the long way.
+        self._start_codes = {n: -1 if n in _STEP_OR_TOP else c for n, c in codes.start.items()}
+        self._end_codes = {n: -1 if n in _STEP_OR_TOP else c for n, c in codes.end.items()}
         for name in _STEP_OR_TOP:
-            self._starts.codes[name] = self._ends.codes[name] = -1
+            self._start_codes[name] = self._end_codes[name] = -1
         self._long_way = True  # (the top-level phases' route now)
-        self.on_phase_start = self._starts.boundary
-        self.on_phase_end = self._ends.boundary
+        self.on_phase_start = _boundary_callback(self._start_codes, self._timer,
+                                                 self._other_phase_start, self._health, "start")  # fmt: skip
+        self.on_phase_end = _boundary_callback(self._end_codes, self._timer,
+                                               self._other_phase_end, self._health, "end")  # fmt: skip
 
     def on_collective(self, record: Any) -> None:
         """A collective completed (any thread): kept for the step's window (one append:
@@ -343,8 +344,8 @@ class StepRecorder:
         self._long_way = long_way
         codes = self._timer.codes
         for name in TOP_LEVEL:
-            self._starts.codes[name] = -1 if long_way else codes.start[name]
-            self._ends.codes[name] = -1 if long_way else codes.end[name]
+            self._start_codes[name] = -1 if long_way else codes.start[name]
+            self._end_codes[name] = -1 if long_way else codes.end[name]
 
     def _other_phase_start(self, phase: str, t: float) -> None:
         """`step`, the top-level phases (their memory is read) and names not seen before."""
@@ -644,40 +645,33 @@ def _hand_mfu(config: AgentConfig, job: JobInfo, health: AgentHealth) -> flops.M
                           flops_per_token=config.flops_per_token, warn_once=health.warn_once)  # fmt: skip
 
 
-class _Boundary:
-    """The engine's phase-start (or phase-end) callback, `boundary`: a nested phase's
-    boundary is its code and its clock mark appended to the phase log (two appends, no
+def _boundary_callback(codes: dict[str, int], timer: PhaseTimer,
+                       long_way: Callable[[str, float], None], health: AgentHealth,
+                       what: str) -> Callable[[str, float], None]:  # fmt: skip
+    """The engine's phase-start (or phase-end) callback: a nested phase's boundary is its
+    code (`codes`) and its clock mark appended to the timer's log (two appends, no
     allocation on the host clock); `step`, names mapped to -1 (the top-level phases on
-    steps that read memory) and names not seen yet go to `long_way`. An error is counted,
-    never raised into the engine."""
+    steps that read memory: the recorder changes `codes`) and names not seen yet go to
+    `long_way`. An error is counted (`what`: "start" or "end"), never raised into the
+    engine."""
+    mark = timer.clock.mark
 
-    __slots__ = ("codes", "health", "long_way", "mark", "timer", "what")
-
-    def __init__(self, codes: dict[str, int], timer: PhaseTimer,
-                 long_way: Callable[[str, float], None], health: AgentHealth,
-                 what: str) -> None:  # fmt: skip
-        #: Phase -> its boundary code, or -1 for the long way (the recorder reroutes).
-        self.codes = codes
-        self.timer = timer
-        self.mark = timer.clock.mark
-        self.long_way = long_way
-        self.health = health
-        self.what = what
-
-    def boundary(self, phase: str, t: float) -> None:
+    def on_boundary(phase: str, t: float) -> None:
         try:
-            code = self.codes[phase]
+            code = codes[phase]
         except KeyError:
             code = -1
         if code < 0:
-            self.long_way(phase, t)
+            long_way(phase, t)
             return
         try:
-            log = self.timer.log  # (another list after each step's end)
+            log = timer.log  # (another list after each step's end)
             log.append(code)
-            log.append(self.mark(t))
+            log.append(mark(t))
         except Exception as e:
-            self.health.error(f"recording the {self.what} of phase {phase!r}", e)
+            health.error(f"recording the {what} of phase {phase!r}", e)
+
+    return on_boundary
 
 
 def _compute_in_one_thread() -> bool:

@@ -49,8 +49,8 @@ class Clock(Protocol):
 class HostClock:
     """perf_counter marks: the mark is the time; always ready, nothing to release."""
 
-    def mark(self, t: float) -> float:
-        return t
+    #: The mark is the time itself (`float`: a C call, no Python frame, on the hot path).
+    mark = staticmethod(float)
 
     def ready(self, marks: Iterable[Any]) -> bool:
         return True
