@@ -276,6 +276,16 @@ def rank_table_of_columns(
     return {name: c for name, c in t.cols.items() if not np.isnan(c).all()}
 
 
+#: The products of collectives columns summed over a rank-step's rows of an op: the summed
+#: fields' and the sums they are divided by.
+_SUMMED = tuple(
+    dict.fromkeys(
+        [f.of for f in COLLECTIVE_FIELDS if f.agg == "sum"]
+        + [(f.per,) for f in COLLECTIVE_FIELDS if f.per is not None]
+    )
+)
+
+
 def _collective_columns(t: _Table, coll: Callable[[str], Sequence[Any]], at: np.ndarray) -> None:
     """collective.<op>.<field> columns of every collectives row of every rank-step at once
     (`at[j]`: the rank-step of row j), each field as metric_table.COLLECTIVE_FIELDS defines
@@ -290,25 +300,29 @@ def _collective_columns(t: _Table, coll: Callable[[str], Sequence[Any]], at: np.
             cols[name] = np.array(coll(name), dtype=float)
         return cols[name]
 
-    products = {f.of: np.prod([column(c) for c in f.of], axis=0) for f in COLLECTIVE_FIELDS}
+    def product(of: tuple[str, ...]) -> np.ndarray:
+        key = "*".join(of)
+        if key not in cols:
+            cols[key] = np.prod([column(c) for c in of], axis=0)
+        return cols[key]
+
     for op in dict.fromkeys(ops):
         sel = np.flatnonzero(op_of == op)
         idx = at[sel]
         has = np.bincount(idx, minlength=n) > 0
-        sums: dict[str, np.ndarray] = {}
+        # Each sum over the op's rows once, whichever fields divide or are divided by it.
+        sums = {of: np.bincount(idx, weights=product(of)[sel], minlength=n) for of in _SUMMED}
         p = f"collective.{op}."
         for f in COLLECTIVE_FIELDS:
             value: np.ndarray
             if f.agg == "max":
                 value = np.zeros(n)
-                np.maximum.at(value, idx, products[f.of][sel])
+                np.maximum.at(value, idx, product(f.of)[sel])
             else:
-                value = np.bincount(idx, weights=products[f.of][sel], minlength=n)
+                value = sums[f.of]
             ok = has
             if f.per is not None:
-                if f.per not in sums:
-                    sums[f.per] = np.bincount(idx, weights=column(f.per)[sel], minlength=n)
-                den = sums[f.per]
+                den = sums[(f.per,)]
                 with np.errstate(divide="ignore", invalid="ignore"):
                     value = value / den
                 ok = has & (den > 0)
