@@ -12,7 +12,7 @@ def with_room(used: int) -> tuple[list[Any], int]:
     Returns:
         (the list, its padding: how many items come before the data; even).
     """
-    room = max(used + (used >> 2) + 16, 256) & ~1
+    room = max(used + (used >> 2) + 16, 64) & ~1
     # Twice the room, cut back: CPython keeps the storage of a list cut to at least half of
     # it, so `room` appends reallocate nothing (a reallocation of 1 KiB or more makes glibc
     # consolidate the engine's freed blocks, on the training thread).
