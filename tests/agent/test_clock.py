@@ -50,7 +50,9 @@ class Counted:
 
 
 def _window(timer: PhaseTimer, at: Any = lambda t: None) -> Any:
-    start = (at(10.0), timer.clock.mark(10.0))[1]
+    """The step of `_BOUNDARIES` through `timer`, the device at each boundary's time (`at`)."""
+    at(10.0)
+    start = timer.clock.mark(10.0)
     for is_start, phase, t in _BOUNDARIES:
         at(t)
         (timer.start if is_start else timer.end)(phase, t)
