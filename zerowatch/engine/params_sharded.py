@@ -196,7 +196,7 @@ class ShardedParams:
         # The management after a module's forward (the hook that gathers its units again for
         # backward, their release) is parameter management like the gather before it, and is
         # announced as param_gather: not the module's compute (the step's parts, and the
-        # doctor's measure of stage 3's path, which the engine's rehearsal counts alike).
+        # doctor's measure of stage 3's path, which zerowatch/rehearse counts alike).
         with self.phases.phase("param_gather"):
             if torch.is_grad_enabled():
                 leaves, _ = tree_flatten(output)
