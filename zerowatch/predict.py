@@ -231,7 +231,7 @@ def _layout_bytes(m: Measured, stage: int, off_opt: bool, off_par: bool) -> floa
 
 def _comm_seconds(m: Measured, stage: int) -> float:
     """Seconds of communication per step of a stage: by its counted calls and bytes where
-    the engine counted them (`counted_comm_seconds`), else its bytes at the run's bandwidth
+    the run has them (`counted_comm_seconds`), else its bytes at the run's bandwidth
     per op."""
     counted = counted_comm_seconds(m, stage)
     if counted is not None:
@@ -625,8 +625,8 @@ def bucket_candidates(m: Measured) -> list[Change]:
     it; where that size makes the same calls as the run's own (stage 3 cuts its units by
     the module tree, and a size at or above the model's is one bucket), the next counted
     size further that way that does not. So the calls each is priced with are counted, not
-    assumed, and each changes them. Only where the bundled engine counted its calls at each
-    size (a foreign engine's calls at another size are not known: its latency-bound
+    assumed, and each changes them. Only where the bundled engine's calls were counted at
+    each size (a foreign engine's calls at another size are not known: its latency-bound
     collectives still get their bucket size from that finding)."""
     cc = m.counted_calls
     own_calls = None if cc is None else cc.at(m.stage)
