@@ -274,13 +274,7 @@ class StepRecorder:
                                                  self._other_phase_start, self._health, "start")  # fmt: skip
         self.on_phase_end = _boundary_callback(self._end_codes, self._timer,
                                                self._other_phase_end, self._health, "end")  # fmt: skip
-
-    def on_collective(self, record: Any) -> None:
-        """A collective completed (any thread): kept for the step's window (one append:
-        the bound on a long step is kept on the shipper thread, `tidy`) and counted
-        completed by the flight recorder."""
-        self._collectives.record(record)
-        self.flight.on_collective(record)
+        self.on_collective = _collective_callback(self._collectives, self.flight)
 
     def set_clock_offset(self, offset_s: float) -> None:
         """This host's clock minus rank 0's (`zerowatch.clocks`): every time sent from now
@@ -672,6 +666,20 @@ def _boundary_callback(codes: dict[str, int], timer: PhaseTimer,
             health.error(f"recording the {what} of phase {phase!r}", e)
 
     return on_boundary
+
+
+def _collective_callback(collectives: CollectiveAggregator,
+                         flight: FlightRecorder) -> Callable[[Any], None]:  # fmt: skip
+    """The engine's collective callback (any thread): the record is kept for the step's
+    window (one append: the bound on a long step is kept on the shipper thread, `tidy`) and
+    counted completed by the flight recorder."""
+    completed = flight.on_collective
+
+    def on_collective(record: Any) -> None:
+        collectives.pending.append(record)  # (another list after each step's end)
+        completed(record)
+
+    return on_collective
 
 
 def _compute_in_one_thread() -> bool:

@@ -171,7 +171,9 @@ class CollectiveAggregator:
     def __init__(self, max_spans: int = 4096) -> None:
         self._lock = threading.Lock()
         self._window = CollectiveWindow()
-        self._pending: list[Any] = []
+        #: The records not folded yet: `record` appends, or the recorder's callback itself
+        #: (another list after each `take_later`: read it again each time).
+        self.pending: list[Any] = []
         self._max_spans = max_spans
         self.unknown_ops = 0
 
@@ -184,11 +186,11 @@ class CollectiveAggregator:
 
     def record(self, rec: Any) -> None:
         """One collective (any thread)."""
-        self._pending.append(rec)
+        self.pending.append(rec)
 
     def fold_if_full(self) -> None:
         """Fold the pending records once `_FOLD_EVERY` wait: a long step stays bounded."""
-        if len(self._pending) >= _FOLD_EVERY:
+        if len(self.pending) >= _FOLD_EVERY:
             with self._lock:
                 self._fold()
 
@@ -206,7 +208,7 @@ class CollectiveAggregator:
         between the engine's kernels). A record that another thread appends to the old
         list as it is taken goes with this window."""
         with self._lock:
-            records, self._pending = self._pending, []
+            records, self.pending = self.pending, []
             window, self._window = self._window, CollectiveWindow()
         window.unfolded = records
         window.max_spans = self._max_spans
@@ -215,16 +217,16 @@ class CollectiveAggregator:
 
     def discard(self) -> None:
         """Forget what arrived since the last window was taken (between two steps)."""
-        if not self._pending and not self._window.by_op:  # (nothing did)
+        if not self.pending and not self._window.by_op:  # (nothing did)
             return
         with self._lock:
-            self._pending = []
+            self.pending = []
             if self._window.by_op:  # (a window nothing was folded into is as good as new)
                 self._window = CollectiveWindow()
 
     def _fold(self) -> None:
         """Add the pending records to the current window (the lock held)."""
-        pending = self._pending
+        pending = self.pending
         records = pending[:]
         del pending[: len(records)]  # (records appended meanwhile stay)
         self.unknown_ops += _fold(self._window, records, self._max_spans)
