@@ -34,10 +34,10 @@ on the shipper, for all the steps of a flush interval one after another, the sam
 clocks. The training thread only asks whether a waiting step's timings are known (the
 clock: at once on the host, its CUDA events on a GPU).
 
-The callbacks the engine calls most are small: a nested phase's boundary is a dict lookup
-and two appends to the phase log (`_boundary_callback`; the clock's mark: the time itself on the
-host, a pooled CUDA event recorded on a GPU), a collective one append and the flight
-recorder's store. `step` and the top-level phases take the long way (`_other_phase_*`),
+The callbacks the engine calls most are small closures: a nested phase's boundary is a
+dict lookup and two appends to the phase log (`_boundary_callback`; the clock's mark: the
+time itself on the host, a pooled CUDA event recorded on a GPU), a collective one append
+and the flight recorder's store (`_collective_callback`). `step` and the top-level phases take the long way (`_other_phase_*`),
 which also reads memory, only on the steps that read it (`_route_top_level`).
 
 Every engine callback is guarded: an error is counted and logged once, never raised into
@@ -258,11 +258,16 @@ class StepRecorder:
 
     # -- engine callbacks (training thread; collectives maybe another) -----------------
 
+    #: The callbacks the engine calls most, made once (`_make_callbacks`).
+    on_phase_start: Callable[[str, float], None]
+    on_phase_end: Callable[[str, float], None]
+    on_collective: Callable[[Any], None]
+
     def _make_callbacks(self) -> None:
-        """The phase-boundary callbacks: a nested phase's boundary goes straight to the
-        phase log (`_boundary_callback`); `step` and the top-level phases take the long way
-        (`_other_phase_*`: step assembly, memory readings) unless `_route_top_level` sends
-        them the short way on steps that read no memory."""
+        """The phase-boundary and collective callbacks: a nested phase's boundary goes
+        straight to the phase log (`_boundary_callback`); `step` and the top-level phases
+        take the long way (`_other_phase_*`: step assembly, memory readings) unless
+        `_route_top_level` sends them the short way on steps that read no memory."""
         codes = self._timer.codes
         #: Phase -> the boundary code the callbacks log, or -1 for the long way.
         self._start_codes = {n: -1 if n in _STEP_OR_TOP else c for n, c in codes.start.items()}
