@@ -99,8 +99,8 @@ _BUCKET_KEYS = {"reduce_scatter": "reduce_bucket_size", "all_reduce": "reduce_bu
 
 
 def _rehearsed_link(e: Evidence) -> dict[str, Any] | None:
-    """The bus bandwidth the bundled engine measured on the job's process group with one
-    large message at initialization (engine/rehearsal.py `link_bandwidth`), or None."""
+    """The bus bandwidth the agent measured on the job's process group with one large
+    message when it attached (zerowatch/rehearse/link.py), or None."""
     calls = (e.run.get("engine_info") or {}).get("collective_calls")
     link = calls.get("link") if isinstance(calls, dict) else None
     if not isinstance(link, dict):
@@ -121,8 +121,8 @@ def _references(
     `latency_bound_min_calls` calls: the link's bandwidth at messages
     `latency_bound_size_factor` times larger than the op's. Where the run's own collectives
     come in such different sizes, the best op of larger messages ("run"; an op without one
-    is not judged); where they do not (every collective small), the engine's probe of the
-    link at initialization ("rehearsal"), else `link_busbw_bytes_per_s` ("settings")."""
+    is not judged); where they do not (every collective small), the agent's probe of the
+    link when it attached ("rehearsal"), else `link_busbw_bytes_per_s` ("settings")."""
     busy = [op for op, st in ops.items() if st["count"] >= s.latency_bound_min_calls]
     own: dict[str, dict[str, Any]] = {}
     for op in busy:
@@ -158,7 +158,7 @@ def _reference_words(ref: dict[str, Any]) -> str:
         return f"what {ref['reference_op']}'s {fmt_bytes(size)} messages reach on this run ({bw}/s)"
     if ref["reference"] == "rehearsal":
         return (f"what the link reached with one {fmt_bytes(size)} {ref['reference_op']} when "
-                f"the engine started ({bw}/s)")  # fmt: skip
+                f"the agent attached ({bw}/s)")  # fmt: skip
     return f"the link's bandwidth (link_busbw_bytes_per_s: {bw}/s)"
 
 

@@ -220,7 +220,7 @@ def _all_small(e: ev.StepEvent) -> ev.StepEvent:
     ])  # fmt: skip
 
 
-#: The bundled engine's probe of the link at initialization (engine/rehearsal.py).
+#: The agent's probe of the link when it attached (zerowatch/rehearse/link.py).
 LINK = {"op": "reduce_scatter", "message_bytes": 8 << 20, "latency_s": 0.004, "busbw": 1e9}
 
 
@@ -228,7 +228,7 @@ def test_when_every_collective_is_small_the_engines_probe_of_the_link_is_the_ref
     db: Database,
 ) -> None:
     """No op of the run carries messages large enough to show the link's bandwidth: the
-    engine's probe of the link (a large reduce-scatter at initialization) does, and the
+    agent's probe of the link (a large reduce-scatter when it attached) does, and the
     finding says so; without it (another engine) nothing is compared."""
     found = _found(db, _store(db, SPEC, mutate=_all_small,
                               engine_info={"device": "cpu", "collective_calls": {"link": LINK}}))  # fmt: skip
@@ -239,7 +239,7 @@ def test_when_every_collective_is_small_the_engines_probe_of_the_link_is_the_ref
     assert f["evidence"]["reference"] == "rehearsal"
     assert f["evidence"]["reference_busbw"] == LINK["busbw"]
     assert f["evidence"]["reference_message_bytes"] == LINK["message_bytes"]
-    assert "when the engine started" in f["message"] and "under 1%" in f["message"]
+    assert "when the agent attached" in f["message"] and "under 1%" in f["message"]
     assert "reduce_bucket_size" in f["suggestion"]
     assert "reduce_bucket_size" in f["prediction"]["config"]["zero_optimization"]
     assert f["prediction"]["step_time_s"] < f["prediction"]["step_time_now_s"]
