@@ -56,10 +56,11 @@ import sys
 from typing import Any
 
 from zerowatch.agent.adapters import clip_watch
-from zerowatch.agent.adapters.base import JobInfo, StepStats
+from zerowatch.agent.adapters.base import JobInfo
 from zerowatch.agent.adapters.dist_wrap import allreduce_seen
 from zerowatch.agent.adapters.foreign import (
-    ForeignAdapter,
+    DTYPE_PRECISION,
+    ModuleOptimizerAdapter,
     TensorCensus,
     optimizer_state_tensors,
 )
@@ -68,7 +69,6 @@ from zerowatch import theory
 
 log = logging.getLogger("zerowatch.agent")
 
-_DTYPE_PRECISION = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
 #: DDP's settings recorded with the run.
 _DDP_SETTINGS = ("broadcast_buffers", "find_unused_parameters", "gradient_as_bucket_view",
                  "static_graph", "bucket_bytes_cap")  # fmt: skip
@@ -122,7 +122,7 @@ def _install_comm_hook(model: Any) -> bool:
     return True
 
 
-class DDPAdapter(ForeignAdapter):
+class DDPAdapter(ModuleOptimizerAdapter):
     """A DDP module (or a plain module) + its optimizer -> EngineAdapter.
 
     Args:
@@ -137,20 +137,11 @@ class DDPAdapter(ForeignAdapter):
     name = "ddp"
 
     def __init__(self, model: Any, optimizer: Any = None) -> None:
-        if optimizer is None or not hasattr(optimizer, "register_step_post_hook"):
-            raise TypeError(
-                "optimizer: zerowatch.instrument(ddp_model, optimizer=opt) needs the torch "
-                f"optimizer that steps the model, got {type(optimizer).__name__}"
-            )
-        super().__init__()
-        self.model = model
-        self.optimizer = optimizer
+        super().__init__(model, optimizer, "zerowatch.instrument(ddp_model, optimizer=opt)")
         self.is_ddp = _is_ddp(model)
         self.is_fsdp1 = _is_fsdp1(model)
         self.comm_seen = False
         self._in_backward = False
-        #: (total norm, max_norm) of the last clip_grad_norm_ call in the current step.
-        self._clip: tuple[Any, float] | None = None
 
     # -- the job ---------------------------------------------------------------------------
 
@@ -171,14 +162,7 @@ class DDPAdapter(ForeignAdapter):
 
     def _precision(self) -> str:
         dtype = next((p.dtype for p in self.model.parameters() if p.requires_grad), None)
-        return _DTYPE_PRECISION.get(str(dtype), "fp32")
-
-    def _optimizer_config(self) -> dict[str, Any]:
-        groups = [
-            {k: v for k, v in g.items() if isinstance(v, (int, float, str, bool))}
-            for g in self.optimizer.param_groups
-        ]
-        return {"type": type(self.optimizer).__qualname__, "param_groups": groups}
+        return DTYPE_PRECISION.get(str(dtype), "fp32")
 
     def info(self) -> JobInfo:
         import torch
@@ -289,10 +273,6 @@ class DDPAdapter(ForeignAdapter):
         ]
         clip_watch.watch(self._on_clip)
 
-    def _on_clip(self, total_norm: Any, max_norm: Any) -> None:
-        if self.board.in_step and not self.board.is_open("optimizer_step"):
-            self._clip = (total_norm, float(max_norm))
-
     def _uninstall(self) -> None:
         self._remove_handles()
         clip_watch.unwatch(self._on_clip)
@@ -308,14 +288,6 @@ class DDPAdapter(ForeignAdapter):
         census.add("grads", [p.grad for p in params])
         census.add("optimizer_states", optimizer_state_tensors(self.optimizer))
         return census.result()
-
-    def step_stats(self) -> StepStats:
-        return clip_watch.step_stats(self.optimizer, self._clip)
-
-    def torch_device(self) -> Any:
-        import torch
-
-        return next((p.device for p in self.model.parameters()), torch.device("cpu"))
 
 
 __all__ = ["DDPAdapter", "matches"]

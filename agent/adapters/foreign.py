@@ -31,7 +31,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from zerowatch.agent.adapters import dist_wrap
+from zerowatch.agent.adapters import clip_watch, dist_wrap
+from zerowatch.agent.adapters.base import StepStats
 from zerowatch.agent.adapters.dist_wrap import CollectiveTap
 
 from zerowatch.engine.hooks import CollectiveRecord, ObserverRegistry
@@ -162,6 +163,58 @@ class ForeignAdapter:
         return dist_wrap.all_gather_object(obj)
 
 
+#: A parameter dtype -> the precision the run reports.
+DTYPE_PRECISION = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+
+
+class ModuleOptimizerAdapter(ForeignAdapter):
+    """The shared part of the adapters of a torch module stepped by a torch optimizer (DDP,
+    the first FSDP, FSDP2): the optimizer it needs, the optimizer's configuration, the
+    `clip_grad_norm_` call seen inside a step, and the device.
+
+    Args:
+        model: the module.
+        optimizer: the torch optimizer stepping its parameters; it marks where each step
+            ends.
+        call: how `zerowatch.instrument` is called with them, for the error message.
+
+    Raises:
+        TypeError: naming `optimizer` when it is missing or has no step hooks.
+    """
+
+    def __init__(self, model: Any, optimizer: Any, call: str) -> None:
+        if optimizer is None or not hasattr(optimizer, "register_step_post_hook"):
+            raise TypeError(
+                f"optimizer: {call} needs the torch optimizer that steps the model, got "
+                f"{type(optimizer).__name__}"
+            )
+        super().__init__()
+        self.model = model
+        self.optimizer = optimizer
+        #: (total norm, max_norm) of the last clip_grad_norm_ call in the current step.
+        self._clip: tuple[Any, float] | None = None
+
+    def _optimizer_config(self) -> dict[str, Any]:
+        """The optimizer's class and its scalar hyper-parameters per group."""
+        groups = [
+            {k: v for k, v in g.items() if isinstance(v, (int, float, str, bool))}
+            for g in self.optimizer.param_groups
+        ]
+        return {"type": type(self.optimizer).__qualname__, "param_groups": groups}
+
+    def _on_clip(self, total_norm: Any, max_norm: Any) -> None:
+        """A clip_grad_norm_ call: kept when made inside the step, before the optimizer
+        step (the last such call of the step wins)."""
+        if self.board.in_step and not self.board.is_open("optimizer_step"):
+            self._clip = (total_norm, float(max_norm))
+
+    def step_stats(self) -> StepStats:
+        return clip_watch.step_stats(self.optimizer, self._clip)
+
+    def torch_device(self) -> Any:
+        return next((p.device for p in self.model.parameters()), torch.device("cpu"))
+
+
 class TensorCensus:
     """Bytes per kind of the tensors found, each storage counted once (first kind wins)."""
 
@@ -231,4 +284,12 @@ def host_kinds(measured: dict[str, int], kinds: Iterable[str]) -> dict[str, int]
     return {(f"host_{k}" if k in kinds else k): v for k, v in measured.items()}
 
 
-__all__ = ["ForeignAdapter", "PhaseBoard", "TensorCensus", "host_kinds", "optimizer_state_tensors"]
+__all__ = [
+    "DTYPE_PRECISION",
+    "ForeignAdapter",
+    "ModuleOptimizerAdapter",
+    "PhaseBoard",
+    "TensorCensus",
+    "host_kinds",
+    "optimizer_state_tensors",
+]

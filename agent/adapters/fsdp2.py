@@ -44,9 +44,10 @@ import warnings
 from typing import Any
 
 from zerowatch.agent.adapters import clip_watch
-from zerowatch.agent.adapters.base import JobInfo, StepStats
+from zerowatch.agent.adapters.base import JobInfo
 from zerowatch.agent.adapters.foreign import (
-    ForeignAdapter,
+    DTYPE_PRECISION,
+    ModuleOptimizerAdapter,
     TensorCensus,
     optimizer_state_tensors,
 )
@@ -58,7 +59,6 @@ from zerowatch import theory
 _BACKWARD_HOOK_NOTE = (
     "Full backward hook is firing when gradients are computed with respect to module outputs"
 )
-_DTYPE_PRECISION = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
 
 
 def matches(obj: Any) -> bool:
@@ -79,7 +79,7 @@ def _fsdp_state(model: Any) -> Any:
         return None
 
 
-class FSDP2Adapter(ForeignAdapter):
+class FSDP2Adapter(ModuleOptimizerAdapter):
     """An FSDP2 root module (+ its optimizer) -> EngineAdapter.
 
     Args:
@@ -93,18 +93,9 @@ class FSDP2Adapter(ForeignAdapter):
     name = "fsdp2"
 
     def __init__(self, model: Any, optimizer: Any = None) -> None:
-        if optimizer is None or not hasattr(optimizer, "register_step_post_hook"):
-            raise TypeError(
-                "optimizer: zerowatch.instrument(fsdp_model, optimizer=opt) needs the "
-                f"torch optimizer that steps the model, got {type(optimizer).__name__}"
-            )
-        super().__init__()
-        self.model = model
-        self.optimizer = optimizer
+        super().__init__(model, optimizer, "zerowatch.instrument(fsdp_model, optimizer=opt)")
         self._in_backward = False
         self._end_queued = False
-        #: (total norm, max_norm) of the last clip_grad_norm_ call in the current step.
-        self._clip: tuple[Any, float] | None = None
         self._quiet: Any = None  # the open warnings.catch_warnings, see _install
 
     # -- the job ---------------------------------------------------------------------------
@@ -123,7 +114,7 @@ class FSDP2Adapter(ForeignAdapter):
     def _precision(self) -> str:
         policy = self._mp_policy()
         dtype = getattr(policy, "param_dtype", None)
-        return _DTYPE_PRECISION.get(str(dtype), "fp32") if dtype is not None else "fp32"
+        return DTYPE_PRECISION.get(str(dtype), "fp32") if dtype is not None else "fp32"
 
     def _sharded_modules(self) -> dict[str, int]:
         """FSDP modules, and how many keep their parameters gathered after forward (the
@@ -139,14 +130,6 @@ class FSDP2Adapter(ForeignAdapter):
             if any(getattr(g, "post_forward_mesh_info", True) is None for g in groups):
                 kept += 1
         return {"modules": modules, "kept_gathered_after_forward": kept}
-
-    def _optimizer_config(self) -> dict[str, Any]:
-        """The optimizer's class and its scalar hyper-parameters per group."""
-        groups = [
-            {k: v for k, v in g.items() if isinstance(v, (int, float, str, bool))}
-            for g in self.optimizer.param_groups
-        ]
-        return {"type": type(self.optimizer).__qualname__, "param_groups": groups}
 
     def info(self) -> JobInfo:
         import torch
@@ -212,12 +195,6 @@ class FSDP2Adapter(ForeignAdapter):
         self._unquiet()
         self._in_backward = self._end_queued = False
         self._clip = None
-
-    def _on_clip(self, total_norm: Any, max_norm: Any) -> None:
-        """A clip_grad_norm_ call: kept when made inside the step, before the optimizer
-        step (the last such call of the step wins)."""
-        if self.board.in_step and not self.board.is_open("optimizer_step"):
-            self._clip = (total_norm, float(max_norm))
 
     def _unquiet(self) -> None:
         if self._quiet is not None:
@@ -306,14 +283,6 @@ class FSDP2Adapter(ForeignAdapter):
         census.add("grads", [p.grad for p in params])
         census.add("optimizer_states", optimizer_state_tensors(self.optimizer))
         return census.result()
-
-    def step_stats(self) -> StepStats:
-        return clip_watch.step_stats(self.optimizer, self._clip)
-
-    def torch_device(self) -> Any:
-        import torch
-
-        return next((p.device for p in self.model.parameters()), torch.device("cpu"))
 
 
 __all__ = ["FSDP2Adapter", "matches"]
