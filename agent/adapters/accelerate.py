@@ -17,21 +17,14 @@ hooks mark where each step ends). The Hugging Face Trainer prepares its model th
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
-from zerowatch.agent.adapters.base import EngineAdapter
+from zerowatch.agent.adapters.base import EngineAdapter, loaded_instance
 
 
 def matches(obj: Any) -> bool:
     """An `accelerate.Accelerator` (checked only if accelerate is loaded)."""
-    if "accelerate" not in sys.modules:
-        return False
-    try:
-        from accelerate import Accelerator
-    except ImportError:
-        return False
-    return isinstance(obj, Accelerator)
+    return loaded_instance(obj, "accelerate", "accelerate", "Accelerator")
 
 
 def _torch_optimizer(prepared: Any) -> Any:

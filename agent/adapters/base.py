@@ -17,6 +17,8 @@ process group.
 
 from __future__ import annotations
 
+import importlib
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -83,4 +85,16 @@ class EngineAdapter(Protocol):
     def torch_device(self) -> Any: ...
 
 
-__all__ = ["EngineAdapter", "JobInfo", "StepStats"]
+def loaded_instance(obj: Any, package: str, module: str, name: str) -> bool:
+    """Whether `obj` is an instance of `module.name`, checked only where `package` is
+    already imported (an adapter's check never imports a framework the job does not use)."""
+    if package not in sys.modules:
+        return False
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(obj, cls)
+
+
+__all__ = ["EngineAdapter", "JobInfo", "StepStats", "loaded_instance"]

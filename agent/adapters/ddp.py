@@ -52,11 +52,10 @@ clips with its own `clip_grad_norm_` method, which clip_watch does not see: no g
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any
 
 from zerowatch.agent.adapters import clip_watch
-from zerowatch.agent.adapters.base import JobInfo
+from zerowatch.agent.adapters.base import JobInfo, loaded_instance
 from zerowatch.agent.adapters.dist_wrap import allreduce_seen
 from zerowatch.agent.adapters.foreign import (
     DTYPE_PRECISION,
@@ -81,23 +80,11 @@ def matches(obj: Any) -> bool:
 
 
 def _is_ddp(obj: Any) -> bool:
-    if "torch" not in sys.modules:
-        return False
-    try:
-        from torch.nn.parallel import DistributedDataParallel
-    except ImportError:
-        return False
-    return isinstance(obj, DistributedDataParallel)
+    return loaded_instance(obj, "torch", "torch.nn.parallel", "DistributedDataParallel")
 
 
 def _is_fsdp1(obj: Any) -> bool:
-    if "torch" not in sys.modules:
-        return False
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:
-        return False
-    return isinstance(obj, FullyShardedDataParallel)
+    return loaded_instance(obj, "torch", "torch.distributed.fsdp", "FullyShardedDataParallel")
 
 
 #: FSDP1 sharding strategy -> the ZeRO stage it is.

@@ -40,11 +40,10 @@ the fp32 parameters are the master): measured master_weights exceed the theory b
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable
 from typing import Any
 
-from zerowatch.agent.adapters.base import JobInfo, StepStats
+from zerowatch.agent.adapters.base import JobInfo, StepStats, loaded_instance
 from zerowatch.agent.adapters.foreign import (
     ForeignAdapter,
     TensorCensus,
@@ -57,13 +56,7 @@ from zerowatch import theory
 
 def matches(obj: Any) -> bool:
     """A `deepspeed.runtime.engine.DeepSpeedEngine` (checked only if deepspeed is loaded)."""
-    if "deepspeed" not in sys.modules:
-        return False
-    try:
-        from deepspeed.runtime.engine import DeepSpeedEngine
-    except ImportError:
-        return False
-    return isinstance(obj, DeepSpeedEngine)
+    return loaded_instance(obj, "deepspeed", "deepspeed.runtime.engine", "DeepSpeedEngine")
 
 
 def _offload_device(value: Any) -> str:

@@ -39,12 +39,11 @@ low-precision copy exists only while gathered) where the ZeRO model counts 2Ψ/N
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import Any
 
 from zerowatch.agent.adapters import clip_watch
-from zerowatch.agent.adapters.base import JobInfo
+from zerowatch.agent.adapters.base import JobInfo, loaded_instance
 from zerowatch.agent.adapters.foreign import (
     DTYPE_PRECISION,
     ModuleOptimizerAdapter,
@@ -63,13 +62,7 @@ _BACKWARD_HOOK_NOTE = (
 
 def matches(obj: Any) -> bool:
     """A module that `fully_shard` has wrapped (checked only if torch is loaded)."""
-    if "torch" not in sys.modules:
-        return False
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    return isinstance(obj, FSDPModule)
+    return loaded_instance(obj, "torch", "torch.distributed.fsdp", "FSDPModule")
 
 
 def _fsdp_state(model: Any) -> Any:
