@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text
 from zerowatch.server import models as m
 from zerowatch.server import store
 from zerowatch.server.db import Database
@@ -136,7 +136,13 @@ def test_compactors_of_several_server_processes_never_compute_the_same_run(pg_se
             assert a._claim(pks[0], time.time())  # kept: a claim outlives the round
             assert b.flush() == 0
         finally:
-            a.close()  # its session ends: the claim goes with it
+            a.close()  # its claims are released before its session ends
+        with db.read() as conn:  # at once, not when the closed session's backend exits
+            held = conn.execute(
+                text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = :pk"),
+                {"pk": pks[0]},
+            )
+            assert held.scalar() == 0
         try:
             assert b.flush() == 6  # now the first run
             with db.read() as conn:

@@ -87,6 +87,16 @@ class RunClaims:
             self.drop()
             raise
 
+    def close(self) -> None:
+        """Give every claim up now: the locks are released in the session before it is
+        closed (a closed session's locks go only when its backend process exits, a moment
+        later, and another process's claim in that moment would be refused)."""
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.execute(text("SELECT pg_advisory_unlock_all()"))
+                self._conn.commit()
+        self.drop()
+
     def drop(self) -> None:
         """Give every claim up: the lock session is closed (its locks go with it)."""
         self._held.clear()

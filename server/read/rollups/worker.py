@@ -93,7 +93,7 @@ class RollupWorker:
             self._thread.join()
             self._thread = None
         with self._lock:
-            self.claims.drop()
+            self.claims.close()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
