@@ -2,8 +2,9 @@
 
 A run page draws a dozen charts at the same *sample steps* (at most `MAX_POINTS`, evenly
 spaced over the run), each value the median over ranks of that step (the rollups' p50, the
-figure the API's stats series and /metrics' `stat="p50"` give too). The rank heatmap and
-the straggler come from `read.series.rank_heatmap` (blocks of ranks for a wide run); the
+figure the API's stats series and /metrics' `stat="p50"` give too). The rank heatmap
+comes from `read.series.rank_heatmap` (blocks of ranks for a wide run; its straggler is the
+doctor's, which pages.py adds from the findings); the
 compare page's figures from `read.compare`, the same function as `/api/v1/compare`. So the
 cost of a page follows the steps drawn, not the ranks.
 """
@@ -22,7 +23,6 @@ from zerowatch.dashboards.data import (
     RunView,
     Series,
     SizePoints,
-    Straggler,
 )  # fmt: skip
 from zerowatch.server import models as m
 from zerowatch.server.db import Database
@@ -172,10 +172,6 @@ def run_view(
         rid = quote(run_id, safe="")
         view.heat = RankGrid(heat["ranks"], heat["steps"], heat["z"], block=int(heat["block"]),
                              links=[f"/runs/{rid}/ranks/{r}" for r in heat["top_ranks"]])  # fmt: skip
-        found = heat["straggler"]
-        if found is not None and found["median"]:
-            view.straggler = Straggler(rank=found["rank"], mean=found["mean"],
-                                       median=found["median"])  # fmt: skip
     return view
 
 

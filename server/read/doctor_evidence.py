@@ -13,6 +13,7 @@ from zerowatch.server import models as m
 from zerowatch.server.read import doctor_figures, rollups, runs, series
 from zerowatch.server.read.doctor_figures import Figure
 from zerowatch.server.read.doctor_settings import DoctorSettings
+from zerowatch.server.read.metric_table import ROLLUP_COLUMNS
 from zerowatch.server.read.rollups import Stats
 from zerowatch.server.read.vocabulary import rank_values_of
 from zerowatch.server.settings import Settings
@@ -143,7 +144,7 @@ def _rank_values(conn: Connection, pk: int, rank: int, lo: int, hi: int) -> dict
     step where a restart replayed it)."""
     s = m.steps.c
     rows = conn.execute(
-        select(*(s[c] for c in rollups.STEP_COLS))
+        select(*(s[c] for c in ROLLUP_COLUMNS))
         .where(s.run == pk, s.rank == rank, s.step >= lo, s.step <= hi)
         .order_by(s.seq)
     ).all()

@@ -10,6 +10,7 @@ import pytest
 from zerowatch.server import page_queries as pq
 from zerowatch.server import store
 from zerowatch.server.db import Database
+from zerowatch.server.read import series
 
 from zerowatch import events as ev
 from zerowatch import simulate as sim
@@ -58,7 +59,8 @@ def test_run_view_matches_the_ingested_events(stored):
     assert view.heat.ranks == [0, 1, 2, 3] and len(view.heat.steps) == 30
     e1 = next(e for e in at5 if e.rank == 1)  # the straggler, by busy time
     assert view.heat.z[1][5] == pytest.approx(e1.step_time_s - e1.exposed_comm_s)
-    assert view.straggler is not None and view.straggler.rank == 1
+    heat = series.rank_heatmap(db=db, run_id=rc.run_id, metric="busy_s")
+    assert heat is not None and heat["straggler"]["rank"] == 1
     # Memory at the newest step: every rank's peak (its highest phase peak), sorted.
     at29 = {e.rank: e for e in events if e.step == 29}
     peaks = sorted((max(e.memory.peak_by_phase.values()), e.rank) for e in at29.values())

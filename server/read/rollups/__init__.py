@@ -42,7 +42,6 @@ processes), retention (thinning old rows), fresh (the fresh-steps cache), shared
 (its byte format and cross-process table), live_memo, caches, tuning.
 """
 
-from zerowatch.server.read.metric_table import ROLLUP_COLUMNS as STEP_COLS
 from zerowatch.server.read.rollups.caches import ReadCaches, caches_of
 from zerowatch.server.read.rollups.compute import compute
 from zerowatch.server.read.rollups.reader import (
@@ -65,7 +64,6 @@ from zerowatch.server.read.rollups.worker import RollupWorker
 __all__ = [
     "NONFINITE",
     "SKIPPED",
-    "STEP_COLS",
     "ReadCaches",
     "ReadTuning",
     "Retention",
