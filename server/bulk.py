@@ -23,7 +23,7 @@ orjson:
   calls on every element (a dumper lookup, a length prefix, two appends: a third of the
   writer's time on PostgreSQL), where numpy packs a column of numbers in one pass and a
   column of text takes one join. A column that does not pack (an integer beyond its type)
-  goes through psycopg's dumper as before, which refuses it in its own words.
+  goes through psycopg's dumper instead, which refuses it in its own words.
 
 A JSON column's value is stored as SQLAlchemy's JSON type stores it (None is the JSON null,
 not SQL NULL), so every reader sees the same documents.

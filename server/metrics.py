@@ -274,8 +274,8 @@ def _collect_run(conn: Connection, fam: _Families, row: Any, *, top_k: int, now:
     if step is None:
         if rollups.in_backlog(conn, pk, int(row.world_size or 1)):
             # Nothing rolled up yet and a backlog (a recovery storm's first seconds): the
-            # newest steps are partial and computing them from thousands of rank rows took
-            # a scrape past a second. The rank statistics wait for the first rolled-up step.
+            # newest steps are partial, and computing them from thousands of rank rows
+            # would take a scrape past a second. The rank statistics wait for the first rolled-up step.
             return
         newest = rollups.newest_steps(conn, pk, "step_time_s", 1)
         if not newest:

@@ -17,8 +17,8 @@ admission.py, which sheds the excess with Retry-After) and joins a larger group.
 A read request also sees one view of each step that is still being rolled up
 (`request_view`): a run page reads the newest steps' rollups several times (its charts, its
 memory and outlier panels, the doctor), and during a backlog every write bumps those steps'
-marks, so each read computed the same steps from their rows again (up to
-`ReadTuning.max_live_rank_steps` each; a run page took 14–22 s in a 1,024-rank storm). Within
+marks, so without a view each read would compute the same steps from their rows again (up
+to `ReadTuning.max_live_rank_steps` each, many seconds a page in a 1,024-rank storm). Within
 one request a dirty step is computed once, as of the first read that needs it, and every
 later read of the request uses that: one page, one consistent picture.
 """

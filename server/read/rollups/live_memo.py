@@ -1,8 +1,8 @@
 """Rollups of dirty steps that readers computed, kept while the step's rows are unchanged.
 
 A run page reads the rollups of the same newest steps several times (its charts, the run
-resource, the doctor), and while a backlog lasts each of those reads computed up to
-`max_live_rank_steps` rank-steps again (a run page took 8 s after a 1,024-rank recovery
+resource, the doctor), and while a backlog lasts each of those reads would compute up to
+`max_live_rank_steps` rank-steps again (seconds a page after a 1,024-rank recovery
 storm). The memo is keyed by (run, step, (version, since) of the step's dirty mark): a
 mark's version changes in the transaction that writes the step's rows, so an entry holds
 at least the rows of its version, and a later rank makes a new key (reader.py).
