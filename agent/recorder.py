@@ -524,8 +524,12 @@ class StepRecorder:
         self.steps_emitted += 1
 
     def _assemble(self, draft: StepDraft, seq: int) -> ev.StepEvent | None:
-        """The draft's StepEvent (on the shipper thread); None, counted, if it fails."""
+        """The draft's StepEvent (on the shipper thread); None, counted, if it fails. The
+        probes' lists for coming steps are made here too (`probes/room.py`), off the
+        training thread."""
         try:
+            self._timer.make_room()
+            self._collectives.make_room()
             return self._build(draft, seq)
         except Exception as e:
             self._health.error("assembling a step event", e)

@@ -22,8 +22,10 @@ from __future__ import annotations
 import threading
 from bisect import bisect_left
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, islice
 from typing import Any
+
+from zerowatch.agent.probes.room import Spares, with_room
 
 from zerowatch import events as ev
 
@@ -76,16 +78,18 @@ class CollectiveWindow:
     wall_s: float = 0.0
     #: (op, purpose, nbytes, async, start, end) per call, on sampled steps.
     spans: list[tuple[str, str, int, bool, float, float]] | None = None
-    #: Records taken with the window and not folded yet (`CollectiveAggregator.take_later`):
-    #: `stats()` folds them, and `exposed_s`, `wall_s` and `spans` are complete after it.
+    #: Records taken with the window and not folded yet (`CollectiveAggregator.take_later`),
+    #: from `unfolded[unfolded_from]` on: `stats()` folds them, and `exposed_s`, `wall_s`
+    #: and `spans` are complete after it.
     unfolded: list[Any] | None = None
+    unfolded_from: int = 0
     max_spans: int = 4096
     #: Who counts the records of ops outside the vocabulary (folded later).
     owner: CollectiveAggregator | None = None
 
     def _fold_later(self) -> None:
         records, self.unfolded = self.unfolded, None
-        unknown = _fold(self, records or [], self.max_spans)
+        unknown = _fold(self, records[self.unfolded_from :] if records else [], self.max_spans)
         if unknown and self.owner is not None:
             self.owner.unknown_ops += unknown
 
@@ -96,7 +100,8 @@ class CollectiveWindow:
             rec.cuda_events is None
             or (rec.cuda_events[1].query()
                 and (rec.cuda_exposed is None or rec.cuda_exposed[1].query()))
-            for rec in chain(self.pending_cuda, self.unfolded or ())
+            for rec in chain(self.pending_cuda,
+                             islice(self.unfolded or (), self.unfolded_from, None))
         )  # fmt: skip
 
     def stats(self) -> list[ev.CollectiveStats]:
@@ -165,15 +170,18 @@ class CollectiveAggregator:
 
     `record` is one append to a list (no lock: an append is atomic, and folding takes the
     records it copied out and no others). The bound on a long step is kept by the shipper
-    thread (`fold_if_full` at each of its wake-ups), not checked per record.
+    thread (`fold_if_full` at each of its wake-ups), not checked per record. The records
+    start at `pending[base]`, after the padding of a list with room (`room.py`).
     """
 
     def __init__(self, max_spans: int = 4096) -> None:
         self._lock = threading.Lock()
         self._window = CollectiveWindow()
-        #: The records not folded yet: `record` appends, or the recorder's callback itself
-        #: (another list after each `take_later`: read it again each time).
-        self.pending: list[Any] = []
+        #: The records not folded yet, from `pending[base]` on: `record` appends, or the
+        #: recorder's callback itself (another list after each `take_later`: read it again
+        #: each time).
+        self.pending, self._base = with_room(0)
+        self._spares = Spares()
         self._max_spans = max_spans
         self.unknown_ops = 0
 
@@ -190,7 +198,7 @@ class CollectiveAggregator:
 
     def fold_if_full(self) -> None:
         """Fold the pending records once `_FOLD_EVERY` wait: a long step stays bounded."""
-        if len(self.pending) >= _FOLD_EVERY:
+        if len(self.pending) >= self._base + _FOLD_EVERY:
             with self._lock:
                 self._fold()
 
@@ -205,30 +213,37 @@ class CollectiveAggregator:
         read (the recorder's step assembly, on the shipper thread): at the step's end the
         training thread only takes the list of records out, whole, and a new list takes its
         place (a copy would touch every record to count a reference, a cache miss each
-        between the engine's kernels). A record that another thread appends to the old
-        list as it is taken goes with this window."""
+        between the engine's kernels); the new one has room for as many records
+        (`room.py`). A record that another thread appends to the old list as it is taken
+        goes with this window."""
         with self._lock:
-            records, self.pending = self.pending, []
+            records, first = self.pending, self._base
+            self.pending, self._base = self._spares.take(len(records) - first)
             window, self._window = self._window, CollectiveWindow()
-        window.unfolded = records
+        window.unfolded, window.unfolded_from = records, first
         window.max_spans = self._max_spans
         window.owner = self
         return window
 
+    def make_room(self) -> None:
+        """Make records lists with room ready for coming `take_later`s (on the shipper
+        thread: `room.Spares`)."""
+        self._spares.make()
+
     def discard(self) -> None:
         """Forget what arrived since the last window was taken (between two steps)."""
-        if not self.pending and not self._window.by_op:  # (nothing did)
+        if len(self.pending) == self._base and not self._window.by_op:  # (nothing did)
             return
         with self._lock:
-            self.pending = []
+            del self.pending[self._base :]
             if self._window.by_op:  # (a window nothing was folded into is as good as new)
                 self._window = CollectiveWindow()
 
     def _fold(self) -> None:
         """Add the pending records to the current window (the lock held)."""
-        pending = self.pending
-        records = pending[:]
-        del pending[: len(records)]  # (records appended meanwhile stay)
+        pending, first = self.pending, self._base
+        records = pending[first:]
+        del pending[first : first + len(records)]  # (records appended meanwhile stay)
         self.unknown_ops += _fold(self._window, records, self._max_spans)
 
 

@@ -25,8 +25,8 @@ touches the fewest objects, which is what it costs between the engine's kernels,
 evict the CPU's caches.
 
 At a step's end the timer hands its log over whole (`PhaseTimer.take`: a new list takes
-its place) with the step's first and last marks, and nothing else happens on the training
-thread. The window is read once its clock says its marks are known (`ready`: on the host
+its place, with room for a step like it: `room.py`) with the step's first and last marks,
+and nothing else happens on the training thread. The window is read once its clock says its marks are known (`ready`: on the host
 at once, on a GPU when the step's events have completed); the first read turns every
 mark into seconds from the step's start (`Clock.seconds`), gives the marks back to the
 clock (`Clock.release`) and pairs the boundaries in one pass (`_pair`, the one pairing of
@@ -45,6 +45,7 @@ from itertools import chain, islice
 from typing import Any
 
 from zerowatch.agent.probes.clock import Clock
+from zerowatch.agent.probes.room import Spares, with_room
 
 from zerowatch import events as ev
 from zerowatch.events import STEP_PARTS as _PARTS
@@ -185,22 +186,25 @@ class PhaseWindow:
     Args:
         clock: whose marks these are.
         codes: the phase indices the boundaries speak of.
-        log: flat [code, mark, ...] per boundary, in the order they happened.
+        log: flat [code, mark, ...] per boundary from `log[first]` on, in the order they
+            happened.
         start, end: the step's first and last marks.
+        first: where the boundaries start in `log` (after its padding).
     """
 
-    def __init__(self, clock: Clock, codes: PhaseCodes, log: list[Any], start: Any,
-                 end: Any) -> None:  # fmt: skip
+    def __init__(self, clock: Clock, codes: PhaseCodes, log: list[Any], start: Any, end: Any,
+                 first: int = 0) -> None:  # fmt: skip
         self.clock = clock
         self.codes = codes
         self.start = start
         self.end = end
         self._log: list[Any] | None = log
+        self._first = first
         self._paired: _Paired | None = None
 
     def _marks(self, log: list[Any]) -> Any:
         """The step's marks in the order they were made."""
-        return chain((self.start,), islice(log, 1, None, 2), (self.end,))
+        return chain((self.start,), islice(log, self._first + 1, None, 2), (self.end,))
 
     def ready(self) -> bool:
         """Whether the step's marks are known (on the host: always)."""
@@ -219,9 +223,11 @@ class PhaseWindow:
             clock, start = self.clock, self.start
             seconds = clock.seconds
             step_s = max(seconds(start, self.end), 0.0)
-            times = [seconds(start, mark) for mark in islice(log, 1, None, 2)]
+            first = self._first
+            times = [seconds(start, mark) for mark in islice(log, first + 1, None, 2)]
             clock.release(self._marks(log))
-            self._paired = _pair_boundaries(self.codes, islice(log, 0, None, 2), times, step_s)
+            self._paired = _pair_boundaries(self.codes, islice(log, first, None, 2), times,
+                                            step_s)  # fmt: skip
         return self._paired
 
     @property
@@ -257,13 +263,16 @@ class PhaseTimer:
     A boundary is two appends to `log` (its code and its clock mark): `start` / `end` by
     name, or the recorder's callbacks directly (`codes`). `take()` hands the log itself over
     and a new list takes its place: whoever appends directly reads `log` again each time.
+    The boundaries start at `log[base]`, after the padding of a list with room (`room.py`).
     """
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
         self.codes = PhaseCodes()
-        #: code, mark, code, mark, ... per boundary of the step in progress, in order.
-        self.log: list[Any] = []
+        #: code, mark, code, mark, ... per boundary of the step in progress, in order, from
+        #: `log[base]` on.
+        self.log, self.base = with_room(0)
+        self._spares = Spares()
 
     def start(self, phase: str, t: float) -> None:
         code = self.codes.start.get(phase)
@@ -284,14 +293,21 @@ class PhaseTimer:
     def take(self, step_start: Any, step_end: Any) -> PhaseWindow:
         """The boundaries logged since the last `take()` or `reset()`, as the window of the
         step between the marks `step_start` and `step_end` (paired when first read)."""
-        log, self.log = self.log, []
-        return PhaseWindow(self.clock, self.codes, log, step_start, step_end)
+        log, first = self.log, self.base
+        self.log, self.base = self._spares.take(len(log) - first)
+        return PhaseWindow(self.clock, self.codes, log, step_start, step_end, first)
+
+    def make_room(self) -> None:
+        """Make logs with room ready for coming `take()`s (on the shipper thread:
+        `room.Spares`)."""
+        self._spares.make()
 
     def reset(self) -> None:
         """Forget the boundaries logged since the last `take()` (between two steps)."""
-        if self.log:
-            log, self.log = self.log, []
-            self.clock.release(islice(log, 1, None, 2))
+        log, base = self.log, self.base
+        if len(log) > base:
+            self.clock.release(islice(log, base + 1, None, 2))
+            del log[base:]
 
 
 class _Paired:

@@ -82,7 +82,7 @@ def test_a_long_step_folds_its_collectives_as_they_pile_up() -> None:
     # Bounded while the step runs: what waits unfolded is at most a fold's worth and the
     # records between two wake-ups.
     window = agg.take_later()
-    assert len(window.unfolded or ()) < collectives_probe._FOLD_EVERY + 100
+    assert len(window.unfolded or ()) - window.unfolded_from < collectives_probe._FOLD_EVERY + 100
     (stats,) = window.stats()
     assert stats.count == n and sum(stats.buckets) == n
     assert window.spans is not None and len(window.spans) == 4  # spans stay capped
@@ -149,35 +149,3 @@ def test_collectives_taken_for_later_fold_into_the_same_window() -> None:
     assert window_later.spans == window_now.spans
     assert window_later.wall_s == window_now.wall_s
     assert [s.count for s in later.take().stats()] == [1]
-
-
-def _step(timer: PhaseTimer, t0: float, n: int) -> None:
-    for i in range(n):  # (steps of growing size: later ones outgrow the room made)
-        timer.start("param_gather", t0 + 0.001 * i)
-        timer.end("param_gather", t0 + 0.001 * i + 0.0005)
-
-
-def test_steps_taken_one_after_another_read_as_each_alone() -> None:
-    timer = PhaseTimer(HostClock())
-    for n in (1, 200, 500, 3):
-        t0 = 10.0 * n
-        _step(timer, t0, n)
-        alone = PhaseTimer(HostClock())
-        _step(alone, t0, n)
-        window, expected = timer.take(t0, t0 + 1.0), alone.take(t0, t0 + 1.0)
-        assert window.intervals == expected.intervals
-        assert window.totals() == expected.totals()
-        assert window.parts() == expected.parts()
-
-
-def test_records_taken_one_step_after_another_fold_as_each_alone() -> None:
-    agg = CollectiveAggregator()
-    for n in (1, 300, 900, 2):
-        alone = CollectiveAggregator()
-        for a in (agg, alone):
-            a.discard()
-            for i in range(n):
-                a.record(record(latency=1e-3 * (i % 7 + 1)))
-        window, expected = agg.take_later(), alone.take()
-        assert window.stats() == expected.stats()
-        assert window.wall_s == expected.wall_s
