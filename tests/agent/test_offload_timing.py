@@ -52,9 +52,8 @@ def test_a_gpu_copy_is_bracketed_by_events_on_its_stream(monkeypatch: pytest.Mon
     side = scripted_cuda.Stream(device, "copy")
     with device.use(side), phases.offload("d2h", 4 * MIB):
         device.kernel(5 * MS)
-    (d1, n1, t0, t1, (a, b)), (d2, n2, _, _, (c, d)) = seen.calls
+    (d1, n1, _, _, (a, b)), (d2, n2, _, _, (c, d)) = seen.calls
     assert (d1, n1, d2, n2) == ("h2d", 8 * MIB, "d2h", 4 * MIB)
-    assert t1 - t0 < 1 * MS  # what the host clock saw
     assert a.elapsed_time(b) == pytest.approx(2.0) and (a.stream, b.stream) == ("compute",) * 2
     assert c.elapsed_time(d) == pytest.approx(5.0) and (c.stream, d.stream) == ("copy",) * 2
     assert device.calls("stream_wait") == [] and device.calls("work_wait") == []
