@@ -61,6 +61,7 @@ from zerowatch.agent.adapters.foreign import (
     DTYPE_PRECISION,
     ModuleOptimizerAdapter,
     TensorCensus,
+    hook_output_grads,
     optimizer_state_tensors,
 )
 
@@ -192,7 +193,6 @@ class DDPAdapter(ModuleOptimizerAdapter):
     def _install(self) -> None:
         import torch
         from torch.autograd import Variable
-        from torch.utils._pytree import tree_leaves
 
         board = self.board
         if self.is_ddp:
@@ -225,10 +225,7 @@ class DDPAdapter(ModuleOptimizerAdapter):
 
         def post_forward(_module: Any, _args: Any, output: Any) -> None:
             board.end("forward")
-            if torch.is_grad_enabled():
-                for t in tree_leaves(output):
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
-                        t.register_hook(gradient_reaches_outputs)
+            hook_output_grads(output, gradient_reaches_outputs)
 
         def pre_step(_opt: Any, args: Any, kwargs: Any) -> Any:
             closure = kwargs.get("closure", args[0] if args else None)

@@ -47,6 +47,7 @@ from zerowatch.agent.adapters.base import JobInfo, StepStats, loaded_instance
 from zerowatch.agent.adapters.foreign import (
     ForeignAdapter,
     TensorCensus,
+    hook_output_grads,
     optimizer_state_tensors,
 )
 from zerowatch.agent.adapters.zerowatch_engine import _finite_or_none
@@ -155,7 +156,6 @@ class DeepSpeedAdapter(ForeignAdapter):
     def _install(self) -> None:
         import torch
         from torch.autograd import Variable
-        from torch.utils._pytree import tree_leaves
 
         e, board = self.engine, self.board
         state = {"in_engine_backward": False}
@@ -177,10 +177,7 @@ class DeepSpeedAdapter(ForeignAdapter):
 
         def post_forward(_module: Any, _args: Any, output: Any) -> None:
             board.end("forward")
-            if torch.is_grad_enabled():
-                for t in tree_leaves(output):
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
-                        t.register_hook(gradient_reaches_outputs)
+            hook_output_grads(output, gradient_reaches_outputs)
 
         self._handles = [
             e.register_forward_pre_hook(pre_forward, prepend=True),

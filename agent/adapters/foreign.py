@@ -284,12 +284,25 @@ def host_kinds(measured: dict[str, int], kinds: Iterable[str]) -> dict[str, int]
     return {(f"host_{k}" if k in kinds else k): v for k, v in measured.items()}
 
 
+def hook_output_grads(output: Any, hook: Any) -> None:
+    """Register `hook` on every tensor of a forward's `output` that requires a gradient
+    (under grad mode only: an evaluation forward is no part of a step)."""
+    if not torch.is_grad_enabled():
+        return
+    from torch.utils._pytree import tree_leaves
+
+    for t in tree_leaves(output):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(hook)
+
+
 __all__ = [
     "DTYPE_PRECISION",
     "ForeignAdapter",
     "ModuleOptimizerAdapter",
     "PhaseBoard",
     "TensorCensus",
+    "hook_output_grads",
     "host_kinds",
     "optimizer_state_tensors",
 ]

@@ -48,6 +48,7 @@ from zerowatch.agent.adapters.foreign import (
     DTYPE_PRECISION,
     ModuleOptimizerAdapter,
     TensorCensus,
+    hook_output_grads,
     optimizer_state_tensors,
 )
 
@@ -197,7 +198,6 @@ class FSDP2Adapter(ModuleOptimizerAdapter):
     def _install(self) -> None:
         import torch
         from torch.autograd import Variable
-        from torch.utils._pytree import tree_leaves
 
         board = self.board
 
@@ -228,12 +228,6 @@ class FSDP2Adapter(ModuleOptimizerAdapter):
                 Variable._execution_engine.queue_callback(backward_done)
             return grad
 
-        def hook_outputs(output: Any, hook: Any) -> None:
-            if torch.is_grad_enabled():
-                for t in tree_leaves(output):
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
-                        t.register_hook(hook)
-
         def pre_forward(_module: Any, _args: Any) -> None:
             self._unquiet()
             if torch.is_grad_enabled():  # an evaluation forward is no part of a step
@@ -244,7 +238,7 @@ class FSDP2Adapter(ModuleOptimizerAdapter):
         def post_forward(_module: Any, _args: Any, output: Any) -> None:
             board.end("forward")
             # After FSDP's: the end-of-backward callback is queued after FSDP's final one.
-            hook_outputs(output, queue_backward_end)
+            hook_output_grads(output, queue_backward_end)
 
         def pre_step(_opt: Any, _args: Any, _kwargs: Any) -> None:
             board.start("optimizer_step")
