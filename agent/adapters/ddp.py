@@ -191,7 +191,6 @@ class DDPAdapter(ModuleOptimizerAdapter):
     # -- hooks -----------------------------------------------------------------------------
 
     def _install(self) -> None:
-        import torch
         from torch.autograd import Variable
 
         board = self.board
@@ -218,10 +217,7 @@ class DDPAdapter(ModuleOptimizerAdapter):
             return grad
 
         def pre_forward(_module: Any, _args: Any) -> None:
-            if torch.is_grad_enabled():  # an evaluation forward is no part of a step
-                if not board.in_step:
-                    self._clip = None  # a new step: no clip_grad_norm_ call seen yet
-                board.begin_forward()
+            self._forward_begins()
 
         def post_forward(_module: Any, _args: Any, output: Any) -> None:
             board.end("forward")

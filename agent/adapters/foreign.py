@@ -202,6 +202,15 @@ class ModuleOptimizerAdapter(ForeignAdapter):
         ]
         return {"type": type(self.optimizer).__qualname__, "param_groups": groups}
 
+    def _forward_begins(self) -> None:
+        """A forward begins: under grad mode (an evaluation forward is no part of a step)
+        it opens the forward phase, and the first of a step forgets the last step's
+        clip_grad_norm_ call."""
+        if torch.is_grad_enabled():
+            if not self.board.in_step:
+                self._clip = None
+            self.board.begin_forward()
+
     def _on_clip(self, total_norm: Any, max_norm: Any) -> None:
         """A clip_grad_norm_ call: kept when made inside the step, before the optimizer
         step (the last such call of the step wins)."""

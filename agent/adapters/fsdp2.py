@@ -196,7 +196,6 @@ class FSDP2Adapter(ModuleOptimizerAdapter):
             quiet.__exit__(None, None, None)
 
     def _install(self) -> None:
-        import torch
         from torch.autograd import Variable
 
         board = self.board
@@ -230,10 +229,7 @@ class FSDP2Adapter(ModuleOptimizerAdapter):
 
         def pre_forward(_module: Any, _args: Any) -> None:
             self._unquiet()
-            if torch.is_grad_enabled():  # an evaluation forward is no part of a step
-                if not board.in_step:
-                    self._clip = None  # a new step: no clip_grad_norm_ call seen yet
-                board.begin_forward()
+            self._forward_begins()
 
         def post_forward(_module: Any, _args: Any, output: Any) -> None:
             board.end("forward")
