@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from typing import Any
 
 from fastapi.testclient import TestClient
 from markupsafe import escape
@@ -23,18 +24,23 @@ from zerowatch import events as ev
 from zerowatch import simulate as sim
 
 
-def test_step_time_is_one_figure_on_every_surface_and_says_what_it_is(tmp_path):
-    from zerowatch.demo import _summary_table
-
+def _stored_run(tmp_path: Any, spec: sim.SimSpec) -> tuple[Any, str]:
+    """An app on a new SQLite database holding 100 steps of the simulated run `spec`."""
     app = create_app(Settings(db_url=f"sqlite:///{tmp_path / 'z.db'}", stalled_after_s=3600))
-    spec = sim.SimSpec(name="slower", stage=2, world_size=4, step_time_s=0.1,
-                       regress_at=60, regress_factor=3.0)  # fmt: skip
     rc = sim.run_create(spec)
     store.create_run(app.state.db, run=rc)
     events = [e for step in sim.steps(spec, 100) for e in step]
     store.ingest_batch(app.state.db, run_id=rc.run_id,
                        batch=ev.EventBatch(run_id=rc.run_id, events=events))  # fmt: skip
-    rid = rc.run_id
+    return app, rc.run_id
+
+
+def test_step_time_is_one_figure_on_every_surface_and_says_what_it_is(tmp_path):
+    from zerowatch.demo import _summary_table
+
+    spec = sim.SimSpec(name="slower", stage=2, world_size=4, step_time_s=0.1,
+                       regress_at=60, regress_factor=3.0)  # fmt: skip
+    app, rid = _stored_run(tmp_path, spec)
     with TestClient(app) as c:
         api = c.get(f"/api/v1/runs/{rid}").json()
         listed = c.get("/api/v1/runs").json()["runs"][0]
@@ -111,15 +117,9 @@ def test_the_findings_and_zerowatch_doctor_name_the_tiles_figures(tmp_path, monk
     from zerowatch import cli
     from zerowatch.demo import _summary_table
 
-    app = create_app(Settings(db_url=f"sqlite:///{tmp_path / 'z.db'}", stalled_after_s=3600))
     spec = sim.SimSpec(name="one", stage=2, world_size=4, step_time_s=0.1, regress_at=75,
                        regress_factor=2.0, straggler_rank=1, straggler_factor=1.5)  # fmt: skip
-    rc = sim.run_create(spec)
-    store.create_run(app.state.db, run=rc)
-    events = [e for step in sim.steps(spec, 100) for e in step]
-    store.ingest_batch(app.state.db, run_id=rc.run_id,
-                       batch=ev.EventBatch(run_id=rc.run_id, events=events))  # fmt: skip
-    rid = rc.run_id
+    app, rid = _stored_run(tmp_path, spec)
     with TestClient(app) as c:
         api = c.get(f"/api/v1/runs/{rid}").json()
         rec = api["recent"]
