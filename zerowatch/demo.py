@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -116,39 +117,71 @@ def _server(
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A `zerowatch serve` subprocess on 127.0.0.1, stopped by its pid on exit.
 
-    Stopped with SIGTERM, never a second SIGINT: a terminal's Ctrl-C has already sent the
-    child one SIGINT (the demo and its server share the terminal's process group), and
-    uvicorn takes a second SIGINT as "quit now", skipping the app's shutdown, which closes
-    the database (without it SQLite's `-wal` file, tens of MB after a demo, stays behind)."""
+    The server runs in a process group of its own, so a terminal's Ctrl-C reaches the demo
+    alone and the demo stops its server with exactly one SIGTERM. Two signals could reach
+    uvicorn in either order (the terminal's SIGINT and the demo's stop, or Ctrl-C pressed
+    twice), and it takes a SIGINT after another signal as "quit now", skipping the app's
+    shutdown, which closes the database (without it SQLite's `-wal` file, tens of MB after
+    a demo, stays behind)."""
     url = f"http://127.0.0.1:{port}"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "zerowatch.cli",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--db",
-                db_url,
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+            [sys.executable, "-m", "zerowatch.cli", "serve", "--host", "127.0.0.1",
+             "--port", str(port), "--db", db_url],
+            stdout=log, stderr=subprocess.STDOUT, process_group=0,
+        )  # fmt: skip
         try:
             wait_for_own_server(url, proc)
             yield url, proc
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            _stop_server(proc, log_path)
+
+
+def _stop_server(proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float = 15.0) -> None:
+    """SIGTERM, and wait for the server to close its database, deaf to another Ctrl-C or
+    stop signal meanwhile (it would leave the server running); SIGKILL after `timeout_s`,
+    said."""
+    if proc.poll() is not None:
+        return
+    with _deaf_to(STOP_SIGNALS):
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            console.print(
+                f"[yellow]warning:[/] the server did not stop within {timeout_s:.0f} s and was "
+                f"killed; its database may keep a -wal file until it is opened again "
+                f"(log: {log_path})"
+            )
+
+
+#: What stops the demo: Ctrl-C, `kill`, a closed terminal.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _handling(signals: tuple[signal.Signals, ...], handler: Any) -> Iterator[None]:
+    """`handler` for `signals` inside the block (signals are the main thread's alone:
+    elsewhere, nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.signal(sig, handler) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, old in before.items():
+            signal.signal(sig, old)
+
+
+def _deaf_to(signals: tuple[signal.Signals, ...]) -> contextlib.AbstractContextManager[None]:
+    return _handling(signals, signal.SIG_IGN)
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _pick_port(port: int) -> int:
@@ -300,6 +333,10 @@ def run_demo(
     """Run the demo; returns the process exit code (0 when every run succeeded)."""
     workdir = Path(tempfile.mkdtemp(prefix="zerowatch-demo-"))
     with contextlib.ExitStack() as stack:
+        # SIGTERM and SIGHUP end the demo as Ctrl-C does, through the clean-up that stops
+        # the training and the server it started (the server, in a process group of its
+        # own, would run on).
+        stack.enter_context(_handling(STOP_SIGNALS[1:], _interrupt))
         if server is None:
             port = _pick_port(port)
             db = db_url or f"sqlite:///{Path.cwd() / 'zerowatch-demo.db'}"

@@ -1,6 +1,7 @@
-"""Ctrl-C on `zerowatch demo` while it serves the dashboards: the terminal's SIGINT reaches
-the demo and its server alike, and the server still closes its database, so that no SQLite
-`-wal` file (19-36 MB after a demo) is left beside it."""
+"""Stopping `zerowatch demo` while it serves the dashboards: however the stop arrives (a
+terminal's Ctrl-C to the whole process group, pressed twice, or a SIGTERM to the demo alone),
+the demo stops its server with one signal, the server closes its database, so that no SQLite
+`-wal` file (19-36 MB after a demo) is left beside it, and no server process outlives it."""
 
 from __future__ import annotations
 
@@ -10,14 +11,36 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def test_ctrl_c_on_the_serving_demo_closes_its_database_and_leaves_no_wal(tmp_path: Path):
+def _ctrl_c(demo: subprocess.Popen[bytes]) -> None:
+    os.killpg(demo.pid, signal.SIGINT)
+
+
+def _ctrl_c_twice(demo: subprocess.Popen[bytes]) -> None:
+    # The second press lands while the demo and its server are stopping: a server that got
+    # both (uvicorn takes a second SIGINT as "quit now") would skip closing its database.
+    os.killpg(demo.pid, signal.SIGINT)
+    time.sleep(0.05)
+    os.killpg(demo.pid, signal.SIGINT)
+
+
+def _sigterm_to_the_demo(demo: subprocess.Popen[bytes]) -> None:
+    demo.send_signal(signal.SIGTERM)
+
+
+@pytest.mark.parametrize("stop", [_ctrl_c, _ctrl_c_twice, _sigterm_to_the_demo],
+                         ids=["ctrl-c", "ctrl-c-twice", "sigterm"])  # fmt: skip
+def test_stopping_the_serving_demo_closes_its_database_and_leaves_no_wal(
+    tmp_path: Path, stop: Callable[[subprocess.Popen[bytes]], None]
+):
     db = tmp_path / "demo.db"
     out = tmp_path / "out.txt"
     with out.open("wb") as sink:
@@ -26,8 +49,9 @@ def test_ctrl_c_on_the_serving_demo_closes_its_database_and_leaves_no_wal(tmp_pa
             [sys.executable, "-m", "zerowatch.cli", "demo", "--stages", "1", "--steps", "3",
              "--port", "0", "--db", f"sqlite:///{db}"],
             stdout=sink, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True,
-            env=dict(os.environ, COLUMNS="200"),
+            env=dict(os.environ, COLUMNS="200", TMPDIR=str(tmp_path)),
         )  # fmt: skip
+    server: psutil.Process | None = None
     try:
         deadline = time.monotonic() + 240
         while "press Ctrl-C" not in out.read_text(errors="replace"):
@@ -35,14 +59,18 @@ def test_ctrl_c_on_the_serving_demo_closes_its_database_and_leaves_no_wal(tmp_pa
             assert time.monotonic() < deadline, out.read_text(errors="replace")
             time.sleep(0.2)
         assert Path(f"{db}-wal").exists()  # the server holds the database open
-        os.killpg(proc.pid, signal.SIGINT)
+        (server,) = psutil.Process(proc.pid).children()
+        stop(proc)
         assert proc.wait(timeout=60) == 0, out.read_text(errors="replace")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     text = out.read_text(errors="replace")
+    server_log = "".join(p.read_text() for p in tmp_path.glob("zerowatch-demo-*/server.log"))
     assert "Traceback" not in text, text
-    assert not Path(f"{db}-wal").exists(), text
+    assert not server.is_running(), "the server outlived the demo"
+    assert "Application shutdown complete" in server_log, server_log
+    assert not Path(f"{db}-wal").exists(), text + server_log
     with sqlite3.connect(db) as conn:
         assert conn.execute("SELECT count(*) FROM runs").fetchone() == (1,)
