@@ -226,10 +226,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         yield
         gc.set_threshold(*thresholds)
         gc.unfreeze()  # an app that ends (tests start many) leaves nothing pinned behind
-        ingestor.close()
-        await run_in_threadpool(beats.close)
-        await run_in_threadpool(rollup_worker.close)
-        db.close()
+        try:
+            ingestor.close()
+            await run_in_threadpool(beats.close)
+            await run_in_threadpool(rollup_worker.close)
+        finally:
+            db.close()  # whatever failed above: SQLite's -wal goes only when it closes
 
     app = App(
         docs_url=None,  # served by _install_docs
