@@ -120,25 +120,30 @@ class Found:
         """The StepColumns of these rank-steps: what the rows of those ranks give
         (rows.columns_from_rows)."""
         n = len(self.ranks)
-        cols: dict[str, np.ndarray] = {}
+        row_of: dict[str, int] = {}  # metric -> its row in `values`, first seen first
+        for block, _, _ in self.parts:
+            for name in block.names:
+                row_of.setdefault(name, len(row_of))
+        values = np.full((len(row_of), n), np.nan)
         hists: dict[str, np.ndarray] = {}
         sums: dict[str, list[float]] = {}
         for block, at, pos in self.parts:
-            sub = block.values[:, at]
-            for j, name in enumerate(block.names):
-                col = cols.get(name)
-                if col is None:
-                    col = cols[name] = np.full(n, np.nan)
-                col[pos] = sub[j]
+            # One assignment a block (a step's ranks come in a hundred blocks or more).
+            rows = np.array([row_of[name] for name in block.names], dtype=np.intp)
+            values[np.ix_(rows, pos)] = block.values[:, at]
+            held = None
             for op, h in block.hists.items():
                 total = hists.get(op)
                 if total is None:
                     total = hists[op] = np.zeros(N_BUCKETS, dtype=np.int64)
                     sums[op] = []
                 total += h[at].sum(axis=0)
-                lats, rows = block.latency_sums[op]
-                sums[op].extend(lats[np.isin(rows, at)].tolist())
-        cols = {name: c for name, c in cols.items() if not np.isnan(c).all()}
+                if held is None:
+                    held = np.zeros(len(h), dtype=bool)
+                    held[at] = True
+                lats, owners = block.latency_sums[op]
+                sums[op].extend(lats[held[owners]].tolist())
+        cols = {name: values[i] for name, i in row_of.items() if not np.isnan(values[i]).all()}
         return StepColumns(self.ranks.copy(), cols, hists, sums)
 
 

@@ -22,9 +22,9 @@ kept), and steps leave it when they are rolled up or after `fresh_max_age_s` (an
 process's worker may roll them up): it is a shortcut, never a source of truth.
 
 A run that another process's worker rolls up is *shared* (`share`): what this cache holds
-of it, and from then on its rank-steps at most `share_delay_s` after their commit, are
-packed and published for that worker (shared_blocks.py), which takes them in
-(`take_shared`).
+of it, and from then on its rank-steps `share_delay_s` after their commit (with the next
+group, or at the worker's next tick when no group comes), are packed and published for
+that worker (shared_blocks.py), which takes them in (`take_shared`).
 
 The `Database` owns one cache (caches.py); the ingest writer, the store and the readers
 reach it there.
@@ -132,19 +132,21 @@ class FreshSteps:
             if not self._pending:
                 self._pending_since = now
             self._pending.extend(zip(rows[:room], colls[:room], strict=True))
-            # A shared run's rank-steps wait at most `share_delay_s`: the claiming worker
-            # rolls a step up `settle_s` after its last rank-step came.
+            # A shared run's rank-steps wait `share_delay_s`: the claiming worker rolls a
+            # step up `settle_s` after its last rank-step came.
             if len(self._pending) >= self.convert_rows or (
                 self._shared and now - self._pending_since >= self.share_delay_s
             ):
                 self._convert()
         self.publish()
 
-    def flush_shared(self) -> None:
-        """Publish the shared runs' rank-steps that wait (the worker's tick: the last ones
-        of a run, which no later group pushes out)."""
+    def flush_shared(self, *, waited_s: float = 0.0) -> None:
+        """Publish the shared runs' rank-steps once the oldest waited `waited_s` (the
+        worker's tick, with `share_delay_s`: the last ones of a run, which no later group
+        pushes out; converted at every tick, they would go in smaller groups, at a higher
+        cost each)."""
         with self._lock:
-            if self._shared:
+            if self._shared and time.monotonic() - self._pending_since >= waited_s:
                 self._convert()
         self.publish()
 
@@ -254,9 +256,9 @@ class FreshSteps:
         """Keep only the `dirty` steps of shared run `pk`: another process rolled the others
         up (and its worker discards them, not this one's)."""
         keep = set(dirty)
-        with self._lock:
+        with self._lock:  # rows still pending stay: converting them now costs more
             done = [step for run, step in self._steps if run == pk and step not in keep]
-        self.discard(pk, done)
+            self._drop(pk, done)
 
     def publish(self) -> None:
         """Write the packed blocks waiting (shared_blocks.py)."""
@@ -284,11 +286,15 @@ class FreshSteps:
         """Forget the steps of run `pk` (rolled up, or thinned by retention)."""
         with self._lock:
             self._convert()
-            for step in steps:
-                dropped = self._steps.pop((pk, step), None)
-                if dropped is not None:
-                    self._size -= _count(dropped)
-                    del self._born[(pk, step)]
+            self._drop(pk, steps)
+
+    def _drop(self, pk: int, steps: Sequence[int]) -> None:
+        """Forget the steps of run `pk` that were converted (the lock held)."""
+        for step in steps:
+            dropped = self._steps.pop((pk, step), None)
+            if dropped is not None:
+                self._size -= _count(dropped)
+                del self._born[(pk, step)]
 
     def forget_run(self, pk: int) -> None:
         """Forget every step of run `pk` (deleted)."""

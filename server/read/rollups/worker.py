@@ -143,7 +143,7 @@ class RollupWorker:
                 if self.db.dialect == "postgresql" and runs:  # SQLite: one process, no others
                     sent = SharedBlocks.runs(conn)
                     published = [pk for pk in runs if pk in sent]
-            cache.flush_shared()
+            cache.flush_shared(waited_s=self.tuning.share_delay_s)
             if published:
                 with self.db.write() as conn:
                     for pk in published:
