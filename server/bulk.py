@@ -118,12 +118,20 @@ def pg_array(kind: str, values: Sequence[Any]) -> PgArray:
     """
     dtype = _KINDS[kind].dtype
     n = len(values)
-    if dtype is None:
-        data = [json_bytes(v) for v in values] if kind == "json" else values
+    has_null = 0
+    body: bytes | bytearray
+    if kind == "json":  # None is the JSON null: every element has its bytes
+        body = bytearray()
+        for v in values:
+            # Each document framed and let go at once: orjson's output buffers, kept for a
+            # join, cost a fresh allocation each (1-1.5 us a document instead of 0.2).
+            b = json_bytes(v)
+            body += _LENGTH(len(b))
+            body += b
+    elif dtype is None:
         parts: list[bytes] = []
         add = parts.append
-        has_null = 0
-        for v in data:
+        for v in values:
             if v is None:
                 add(_NULL)
                 has_null = 1
