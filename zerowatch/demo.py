@@ -141,15 +141,8 @@ def _stop_server(proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float
     """SIGTERM, and wait for the server to close its database, deaf to another Ctrl-C or
     stop signal meanwhile (it would leave the server running); SIGKILL after `timeout_s`,
     said."""
-    if proc.poll() is not None:
-        return
     with _deaf_to(STOP_SIGNALS):
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if not _stop(proc, signal.SIGTERM, timeout_s):
             console.print(
                 f"[yellow]warning:[/] the server did not stop within {timeout_s:.0f} s and was "
                 f"killed; its database may keep a -wal file until it is opened again "
@@ -224,16 +217,19 @@ def _launch(
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def _stop(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
-    """Stop a torchrun launch by its pid: SIGINT (it stops its workers), then SIGKILL."""
+def _stop(proc: subprocess.Popen[bytes], sig: int, timeout_s: float = 15.0) -> bool:
+    """Stop a child by its pid: `sig`, then SIGKILL after `timeout_s`. Returns whether it
+    stopped by itself (or had already)."""
     if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGINT)
+        return True
+    proc.send_signal(sig)
     try:
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+        return False
+    return True
 
 
 def _stored_steps(client: httpx.Client, sr: StageRun) -> int:
@@ -374,7 +370,7 @@ def run_demo(
                         progress.update(task, completed=_stored_steps(client, sr))
                         time.sleep(0.5)
                 except BaseException:  # Ctrl-C or an error here: leave no training behind
-                    _stop(proc)
+                    _stop(proc, signal.SIGINT)  # torchrun stops its workers on SIGINT
                     raise
                 sr.returncode = proc.returncode
                 # The agents flush at close; give the last batch a moment to land.
