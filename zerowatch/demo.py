@@ -141,7 +141,7 @@ def _stop_server(proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float
     """SIGTERM, and wait for the server to close its database, deaf to another Ctrl-C or
     stop signal meanwhile (it would leave the server running); SIGKILL after `timeout_s`,
     said."""
-    with _deaf_to(STOP_SIGNALS):
+    with _handling(STOP_SIGNALS, signal.SIG_IGN):
         if not _stop(proc, signal.SIGTERM, timeout_s):
             console.print(
                 f"[yellow]warning:[/] the server did not stop within {timeout_s:.0f} s and was "
@@ -167,10 +167,6 @@ def _handling(signals: tuple[signal.Signals, ...], handler: Any) -> Iterator[Non
     finally:
         for sig, old in before.items():
             signal.signal(sig, old)
-
-
-def _deaf_to(signals: tuple[signal.Signals, ...]) -> contextlib.AbstractContextManager[None]:
-    return _handling(signals, signal.SIG_IGN)
 
 
 def _interrupt(_signum: int, _frame: object) -> None:
@@ -332,7 +328,7 @@ def run_demo(
         # SIGTERM and SIGHUP end the demo as Ctrl-C does, through the clean-up that stops
         # the training and the server it started (the server, in a process group of its
         # own, would run on).
-        stack.enter_context(_handling(STOP_SIGNALS[1:], _interrupt))
+        stack.enter_context(_handling((signal.SIGTERM, signal.SIGHUP), _interrupt))
         if server is None:
             port = _pick_port(port)
             db = db_url or f"sqlite:///{Path.cwd() / 'zerowatch-demo.db'}"
